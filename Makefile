@@ -1,0 +1,40 @@
+# The front door: `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: demo test test-fast lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: an unpinned spec would pull a multi-GB CUDA build.
+$(VENV)/.torch: | $(PY)
+	$(PIP) install "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	@if $(VENV)/bin/crowdtrain demo --help >/dev/null 2>&1; then $(VENV)/bin/crowdtrain demo; \
+	else $(VENV)/bin/crowdtrain --help; echo "The demo is not built yet; 'make test' shows what works so far."; fi
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: $(VENV)/.installed
+	$(PY) bench/codecs.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

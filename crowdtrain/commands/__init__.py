@@ -1,0 +1,1 @@
+"""One typer sub-app per area, mounted by crowdtrain.cli."""

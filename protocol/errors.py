@@ -1,0 +1,75 @@
+"""The errors crowdtrain raises, one tree under :class:`CrowdtrainError`.
+
+Every message is a sentence that says what went wrong and, where it can, what to do::
+
+    CrowdtrainError                  anything crowdtrain raises on purpose; the CLI exits 1 with its text
+    ├── ConfigError                  a setting is invalid; names the field
+    ├── ProtocolError                bytes or JSON from the network are malformed; names the field
+    │   └── LimitExceeded            a declared or actual size is beyond a configured limit
+    ├── AuthError                    a token, credential or signature is missing, wrong or expired
+    ├── TrackerError                 the tracker answered with an error
+    │   └── TrackerUnreachable       the tracker did not answer (down, wrong URL, timeout)
+    ├── DatasetError                 a data set cannot be made, read or fetched
+    ├── RecipeError                  the model recipe is unknown or does not match the run's spec
+    ├── AveragingError               an all-reduce round failed as a whole
+    └── StateSyncError               no donor could deliver the run's current state
+"""
+
+from __future__ import annotations
+
+
+class CrowdtrainError(Exception):
+    """Root of every error crowdtrain raises on purpose."""
+
+
+class ConfigError(CrowdtrainError, ValueError):
+    """A configuration value is invalid."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class ProtocolError(CrowdtrainError):
+    """Malformed input from the network (a frame, a JSON message, a query string)."""
+
+
+class LimitExceeded(ProtocolError):
+    """A size declared by or measured on the input is larger than the configured limit."""
+
+
+class AuthError(CrowdtrainError):
+    """A token, credential or signature is missing, wrong or expired."""
+
+
+class TrackerError(CrowdtrainError):
+    """The tracker answered with an error; ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class TrackerUnreachable(TrackerError):
+    """The tracker could not be reached."""
+
+
+class DatasetError(CrowdtrainError):
+    """A data set cannot be made, read or fetched."""
+
+
+class RecipeError(CrowdtrainError):
+    """A model recipe is unknown, or its parameters do not match the run's spec."""
+
+
+class AveragingError(CrowdtrainError):
+    """An all-reduce round failed as a whole."""
+
+
+class StateSyncError(CrowdtrainError):
+    """No donor could deliver the run's current state."""
+
+    def __init__(self, message: str, donors: tuple[str, ...] = ()) -> None:
+        self.donors = donors
+        super().__init__(message)

@@ -1,0 +1,151 @@
+"""Tensor frames: a fixed 96-byte header, then the codec's zstd body.
+
+Header (little endian)::
+
+    offset size  field
+    0      4     magic b"CTFR"
+    4      1     version (1)
+    5      1     codec id (see codecs.Codec)
+    6      1     dtype id (0 = float32, the only dtype on the wire)
+    7      1     ndim (1..8)
+    8      64    shape, 8 x u64 (unused dims are 0)
+    72     8     raw length: bytes after the value transform, before zstd
+    80     8     encoded length: bytes of the body that follows the header
+    88     4     crc32 of the body
+    92     4     reserved, zero
+
+Every length is checked against :class:`~crowdtrain.protocol.limits.Limits` and against the others before
+anything is allocated; the checksum is verified before decompression. A large tensor travels as several
+frames one after another (a stream of bounded sub-frames), each decodable on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+from crowdtrain.protocol.codecs import Codec, Compressor, raw_size
+from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
+from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
+
+MAGIC = b"CTFR"
+VERSION = 1
+DTYPE_FLOAT32 = 0
+_HEADER = struct.Struct("<4sBBBB8QQQI4x")
+HEADER_SIZE = _HEADER.size
+assert HEADER_SIZE == 96
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    codec: Codec
+    shape: tuple[int, ...]
+    raw_length: int
+    encoded_length: int
+    crc32: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parse_header(buf: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> FrameHeader:
+    """Parse and check a frame header; raises :class:`ProtocolError` naming what is wrong."""
+    if len(buf) < HEADER_SIZE:
+        raise ProtocolError(f"frame header needs {HEADER_SIZE} bytes, got {len(buf)}")
+    magic, version, codec_id, dtype, ndim, *rest = _HEADER.unpack_from(buf)
+    dims, (raw_len, enc_len, crc) = rest[:8], rest[8:]
+    if magic != MAGIC:
+        raise ProtocolError("frame does not start with the crowdtrain magic b'CTFR'")
+    if version != VERSION:
+        raise ProtocolError(f"frame version {version} is not supported (this peer speaks {VERSION})")
+    try:
+        codec = Codec(codec_id)
+    except ValueError:
+        raise ProtocolError(f"frame names unknown codec id {codec_id}") from None
+    if dtype != DTYPE_FLOAT32:
+        raise ProtocolError(f"frame names unknown dtype id {dtype}; only float32 (0) is allowed")
+    if not 1 <= ndim <= limits.max_ndim:
+        raise ProtocolError(f"frame has {ndim} dimensions; 1 to {limits.max_ndim} are allowed")
+    if any(dims[ndim:]):
+        raise ProtocolError("frame header has non-zero dimensions past its ndim")
+    shape = tuple(dims[:ndim])
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > limits.max_elements:
+            raise LimitExceeded(f"frame declares more than the limit of {limits.max_elements} elements")
+    if raw_len != raw_size(codec, numel):
+        raise ProtocolError(
+            f"frame declares {raw_len} raw bytes but {numel} values in codec {codec.label} need "
+            f"{raw_size(codec, numel)}"
+        )
+    if enc_len > limits.max_frame_bytes:
+        raise LimitExceeded(
+            f"frame body declares {enc_len} bytes, more than the limit of {limits.max_frame_bytes}"
+        )
+    return FrameHeader(codec, shape, raw_len, enc_len, crc)
+
+
+def pack_header(codec: Codec, shape: tuple[int, ...], raw_length: int, body: bytes) -> bytes:
+    dims = list(shape) + [0] * (8 - len(shape))
+    return _HEADER.pack(
+        MAGIC, VERSION, int(codec), DTYPE_FLOAT32, len(shape), *dims, raw_length, len(body), zlib.crc32(body)
+    )
+
+
+def encode_frame(x: np.ndarray, codec: Codec, compressor: Compressor) -> bytes:
+    """Encode a float32 array as one frame (header + body)."""
+    shape = tuple(x.shape) or (1,)
+    body = compressor.encode(x, codec)
+    return pack_header(codec, shape, raw_size(codec, math.prod(shape)), body) + body
+
+
+def encode_raw_frame(raw: bytes, codec: Codec, shape: tuple[int, ...], compressor: Compressor) -> bytes:
+    """Frame an already value-transformed payload (used with :class:`~codecs.ErrorFeedback`)."""
+    body = compressor.compress(raw)
+    return pack_header(codec, shape, len(raw), body) + body
+
+
+def decode_body(header: FrameHeader, body: bytes | memoryview, compressor: Compressor) -> np.ndarray:
+    if len(body) != header.encoded_length:
+        raise ProtocolError(
+            f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
+        )
+    if zlib.crc32(body) != header.crc32:
+        raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
+    values = compressor.decode(bytes(body), header.codec, header.numel)
+    return values.reshape(header.shape)
+
+
+def decode_frame(
+    buf: bytes | memoryview, compressor: Compressor, limits: Limits = DEFAULT_LIMITS
+) -> tuple[np.ndarray, FrameHeader]:
+    """Decode one whole frame; trailing bytes are an error."""
+    header = parse_header(buf, limits)
+    body = memoryview(buf)[HEADER_SIZE:]
+    return decode_body(header, body, compressor), header
+
+
+def iter_frames(
+    buf: bytes | memoryview, compressor: Compressor, limits: Limits = DEFAULT_LIMITS, max_frames: int = 4096
+):
+    """Decode a buffer holding several frames back to back."""
+    view = memoryview(buf)
+    pos = 0
+    count = 0
+    while pos < len(view):
+        count += 1
+        if count > max_frames:
+            raise LimitExceeded(f"buffer holds more than {max_frames} frames")
+        header = parse_header(view[pos:], limits)
+        end = pos + HEADER_SIZE + header.encoded_length
+        if end > len(view):
+            raise ProtocolError(
+                f"frame {count} declares a {header.encoded_length}-byte body but only {len(view) - pos - HEADER_SIZE} remain"
+            )
+        yield decode_body(header, view[pos + HEADER_SIZE : end], compressor), header
+        pos = end

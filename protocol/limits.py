@@ -1,0 +1,29 @@
+"""Bounds on everything that arrives from the network, checked before any allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crowdtrain.protocol.errors import ConfigError
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Largest inputs a decoder accepts. The defaults suit models up to ~1B parameters."""
+
+    max_json_bytes: int = 1 * MiB  # one control message
+    max_frame_bytes: int = 64 * MiB  # one tensor frame body, encoded or raw
+    max_elements: int = 16 * MiB  # elements in one frame (64 MiB of fp32)
+    max_ndim: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_json_bytes", "max_frame_bytes", "max_elements"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be a positive number of bytes or elements")
+        if not 1 <= self.max_ndim <= 8:
+            raise ConfigError("max_ndim", "must be between 1 and 8")
+
+
+DEFAULT_LIMITS = Limits()

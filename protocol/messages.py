@@ -1,0 +1,374 @@
+"""Every JSON control message crowdtrain exchanges, as strict, versioned msgspec schemas.
+
+Rules on the wire: a message is a JSON object; ``version`` must be one this code speaks; unknown fields,
+missing fields and fields of the wrong type are refused with a :class:`ProtocolError` whose text names
+the field (``RunSpec: Expected `int`, got `str` - at `$.target_batch_size```). Sizes are bounded by
+:class:`~crowdtrain.protocol.limits.Limits` before parsing.
+
+Who sends what:
+
+* publisher → tracker: :class:`RunCreate` → :class:`RunCreated`
+* volunteer → tracker: :class:`JoinRequest` → :class:`JoinResponse`; :class:`Heartbeat` →
+  :class:`HeartbeatReply`; :class:`ReadyRequest` (long-poll) → :class:`ReadyReply` carrying a signed
+  :class:`GroupAssignment`; :class:`StateDeclare`; ``GET`` → :class:`DonorList`; :class:`LeaveRequest`
+* anyone → tracker: ``GET`` → :class:`RunSpec`, :class:`RunList`, :class:`RunStatus`
+* donor → newcomer: :class:`StateManifest`
+* any error: :class:`ErrorBody`
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, TypeVar
+
+import msgspec
+from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
+from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
+
+VERSION = 1
+Version = Literal[1]
+CodecName = Literal["none", "fp16", "bf16", "int8"]
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base of every control message."""
+
+
+# ---------------------------------------------------------------- run spec
+
+
+class ModelSpec(Message, kw_only=True):
+    recipe: str  # a name in the built-in recipes or the ``crowdtrain.models`` entry-point group
+    args: dict[str, int | float | str | bool] = {}
+    param_hash: str = ""  # sha256 of parameter names, shapes and dtypes; "" = filled in by `run create`
+
+
+class OptimizerSpec(Message, kw_only=True):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.0
+    grad_clip: float = 1.0  # global norm of the averaged gradient; 0 disables clipping
+
+
+class ScheduleSpec(Message, kw_only=True):
+    kind: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+
+
+class AveragingSpec(Message, kw_only=True):
+    group_size: int = 4  # G: members per all-reduce group at most
+    min_group_size: int = 1  # a step closes on its ETA only with at least this many ready peers
+    codec: CodecName = "int8"
+    zstd_level: int = 1
+    round_timeout_s: float = 15.0  # deadline of one all-reduce round, from its assignment
+    gather_s: float = 1.0  # how long the tracker waits for the peers of a closed step to say "ready"
+    step_timeout_s: float = 60.0  # a step closes this long after it opened even below the target
+    clip_multiple: float = 5.0  # contributions with norm > this × the group's median norm are clipped
+    average_state_every: int = 10  # parameter averaging every this many global steps; 0 = never
+    state_lag_tolerance: int = 2  # a peer further behind than this fetches the state
+    subframe_elements: int = 1 << 20  # values per sub-frame when a part is streamed
+
+
+class ChunkInfo(Message, kw_only=True):
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+
+class DatasetManifest(Message, kw_only=True):
+    version: Version = VERSION
+    name: str
+    kind: Literal["tokens", "arrays"]
+    dtype: str  # tokens: the token dtype ("uint8" for byte-level); arrays: dtype of x
+    sample_shape: list[int] = []  # arrays: shape of one x; tokens: []
+    label_dtype: str | None = None  # arrays: dtype of y
+    chunk_bytes: int  # the --chunk-size the set was cut with
+    chunks: list[ChunkInfo]
+    total_samples: int  # tokens: total tokens; arrays: total samples
+
+
+class DatasetRef(Message, kw_only=True):
+    infohash: str  # v1 info-hash, 40 lowercase hex characters
+    manifest: DatasetManifest
+    web_seed: str | None = None
+
+
+JoinPolicy = Literal["public", "token"]
+
+
+class RunSpec(Message, kw_only=True):
+    version: Version = VERSION
+    run_id: str
+    name: str
+    model: ModelSpec
+    dataset: DatasetRef
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    target_batch_size: int  # samples per global step, summed over all volunteers
+    micro_batch_size: int = 8
+    averaging: AveragingSpec = AveragingSpec()
+    join_policy: JoinPolicy = "public"
+    tracker_public_key: str  # hex Ed25519 key that signs credentials and group assignments
+    seed: int = 0
+    created_at: float = 0.0
+
+
+class RunCreate(Message, kw_only=True):
+    version: Version = VERSION
+    name: str
+    model: ModelSpec
+    dataset: DatasetRef
+    torrent: str  # base64 of the data set's .torrent file
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    target_batch_size: int
+    micro_batch_size: int = 8
+    averaging: AveragingSpec = AveragingSpec()
+    join_policy: JoinPolicy = "public"
+    join_token: str | None = None  # required when join_policy is "token"
+    seed: int = 0
+
+
+class RunCreated(Message, kw_only=True):
+    version: Version = VERSION
+    run_id: str
+    spec: RunSpec
+
+
+class RunSummary(Message, kw_only=True):
+    run_id: str
+    name: str
+    global_step: int
+    peers_online: int
+    created_at: float
+
+
+class RunList(Message, kw_only=True):
+    version: Version = VERSION
+    runs: list[RunSummary]
+
+
+# ---------------------------------------------------------------- volunteers
+
+
+class Credential(Message, kw_only=True):
+    """The tracker's signed statement: ``peer_id`` in ``run_id`` holds the Ed25519 key ``public_key``."""
+
+    run_id: str
+    peer_id: str
+    public_key: str  # hex, the peer's own Ed25519 public key; it signs the peer's requests to other peers
+    expires_at: float  # unix seconds
+    signature: str  # hex, by the tracker's key over the fields above
+
+
+class JoinRequest(Message, kw_only=True):
+    version: Version = VERSION
+    public_key: str
+    address: str | None = None  # "host:port" of the peer server; None = client mode (behind NAT)
+    token: str | None = None
+    device: str = "cpu"
+    client_version: str = ""
+
+
+class JoinResponse(Message, kw_only=True):
+    version: Version = VERSION
+    peer_id: str
+    credential: Credential
+    global_step: int
+    heartbeat_interval_s: float
+    peer_ttl_s: float
+
+
+class StateVersion(Message, kw_only=True):
+    step: int
+    content_hash: str  # sha256 hex of the whole snapshot
+    size: int
+
+
+class Heartbeat(Message, kw_only=True):
+    version: Version = VERSION
+    peer_id: str
+    step: int  # the global step this peer is accumulating for
+    samples: int  # samples accumulated toward ``step``
+    samples_per_s: float
+    address: str | None = None
+    chunks_held: int = 0
+    loss: float | None = None
+
+
+class HeartbeatReply(Message, kw_only=True):
+    version: Version = VERSION
+    global_step: int
+    samples: int  # run-wide samples toward the target of ``global_step``
+    target: int
+    peers_online: int
+    samples_per_s: float  # run-wide
+    eta_s: float | None
+    step_closed: bool  # the target of ``global_step`` is reached; peers should say "ready"
+    reachable: bool  # the tracker could connect to this peer's declared address
+
+
+class LeaveRequest(Message, kw_only=True):
+    version: Version = VERSION
+    peer_id: str
+
+
+class ReadyRequest(Message, kw_only=True):
+    """A long-poll: "I am ready to average step ``step`` with this weight"."""
+
+    version: Version = VERSION
+    peer_id: str
+    step: int
+    weight: int  # samples accumulated toward ``step``; 0 is allowed (the peer still gets the average)
+
+
+class GroupMember(Message, kw_only=True):
+    peer_id: str
+    address: str | None  # None: client mode, owns no part
+    public_key: str
+    weight: int
+    part: int  # index of the part this member reduces, -1 for none
+
+
+class GroupAssignment(Message, kw_only=True):
+    version: Version = VERSION
+    run_id: str
+    round_id: str
+    step: int
+    members: list[GroupMember]
+    parts: int  # number of parts the flat vector is cut into (= members that own one)
+    average_params: bool  # after the optimizer step, average parameters in the same group
+    deadline: float  # unix seconds; the round is over at this time whatever happened
+    seed: int  # the seed the tracker drew this partition with (recorded in the step history)
+    signature: str  # hex, the tracker's Ed25519 signature over the fields above
+
+
+class ReadyReply(Message, kw_only=True):
+    version: Version = VERSION
+    status: Literal["group", "wait", "missed"]
+    # group: ``assignment`` is yours. wait: the step is not closed yet, call again.
+    # missed: the step closed without you; keep your accumulation and carry it into ``global_step``.
+    global_step: int
+    assignment: GroupAssignment | None = None
+    retry_after_s: float = 0.0
+
+
+# ---------------------------------------------------------------- state directory
+
+
+class StateDeclare(Message, kw_only=True):
+    version: Version = VERSION
+    peer_id: str
+    state: StateVersion
+
+
+class Donor(Message, kw_only=True):
+    peer_id: str
+    address: str
+    public_key: str
+
+
+class DonorList(Message, kw_only=True):
+    version: Version = VERSION
+    state: StateVersion | None
+    donors: list[Donor]
+
+
+class StateManifest(Message, kw_only=True):
+    version: Version = VERSION
+    run_id: str
+    step: int
+    content_hash: str
+    total_bytes: int
+    range_bytes: int
+    range_sha256: list[str]
+
+
+# ---------------------------------------------------------------- status
+
+
+class PeerStatus(Message, kw_only=True):
+    peer_id: str
+    step: int
+    samples: int
+    samples_per_s: float
+    client_mode: bool
+    chunks_held: int
+    loss: float | None = None
+
+
+class StepRecord(Message, kw_only=True):
+    step: int
+    closed_at: float
+    duration_s: float
+    samples: int
+    peers: int
+    groups: int
+    seed: int
+
+
+class RunStatus(Message, kw_only=True):
+    version: Version = VERSION
+    run_id: str
+    name: str
+    global_step: int
+    samples: int
+    target: int
+    eta_s: float | None
+    peers_online: int
+    samples_per_s: float
+    peers: list[PeerStatus]
+    recent_steps: list[StepRecord]
+
+
+class ErrorBody(Message, kw_only=True):
+    error: str
+
+
+# ---------------------------------------------------------------- codec
+
+M = TypeVar("M", bound=Message)
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def to_builtins(msg: Message) -> Any:
+    return msgspec.to_builtins(msg)
+
+
+def decode(data: bytes | str, kind: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
+    """Strictly decode one message; any defect becomes a :class:`ProtocolError` naming the field."""
+    if len(data) > limits.max_json_bytes:
+        raise LimitExceeded(
+            f"{kind.__name__} message is {len(data)} bytes, more than the limit of {limits.max_json_bytes}"
+        )
+    try:
+        return msgspec.json.decode(data, type=kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{kind.__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{kind.__name__} is not valid JSON: {exc}") from None
+
+
+def convert(obj: Any, kind: type[M]) -> M:
+    """Validate already-parsed data (e.g. a TOML spec file) into a message."""
+    try:
+        return msgspec.convert(obj, type=kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{kind.__name__}: {exc}") from None
+
+
+def replace(msg: M, **changes: Any) -> M:
+    return msgspec.structs.replace(msg, **changes)

@@ -1,0 +1,1 @@
+"""The tracker service: runs, BitTorrent announce, volunteers, progress, matchmaking. Never imports torch."""

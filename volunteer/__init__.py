@@ -1,0 +1,1 @@
+"""The volunteer: join flow, recipes, trainer, collaborative step, averaging, state sync and the view."""
