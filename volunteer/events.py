@@ -1,0 +1,212 @@
+"""Events the volunteer engine emits. Frozen dataclasses, no rich, no torch: the view and the log lines
+are built from these alone.
+
+Every event has ``t`` (unix seconds). :func:`to_dict` gives the JSON-lines form (``{"event": "StepDone",
+...}``). Modules that emit events take an ``emit`` callable; :func:`no_emit` drops them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    t: float = field(default_factory=_now)
+
+
+# ------------------------------------------------------------ run and collaboration
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Joined(Event):
+    run_id: str
+    run_name: str
+    tracker: str
+    peer_id: str
+    device: str
+    address: str | None  # None: client mode
+    global_step: int
+    target_batch_size: int
+    recipe: str
+    codec: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress(Event):
+    """The tracker's view of the collaboration, from a heartbeat reply."""
+
+    global_step: int
+    samples: int
+    target: int
+    peers_online: int
+    samples_per_s: float
+    eta_s: float | None
+    reachable: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PhaseChanged(Event):
+    phase: str  # "downloading", "catching-up", "training", "waiting-for-group", "averaging", "stepping", "leaving"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDone(Event):
+    """The volunteer applied the optimizer step for ``step`` and moved to ``step + 1``."""
+
+    step: int
+    lr: float
+    contributed_samples: int  # this peer's samples in that step
+    group_samples: int  # the samples the averaged gradient stands for
+    step_time_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepMissed(Event):
+    step: int
+    now_step: int
+    kept_samples: int  # accumulation carried into the next step
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalTraining(Event):
+    """A summary of recent micro-batches."""
+
+    loss: float
+    samples: int  # accumulated toward the current step
+    samples_per_s: float
+    micro_batches: int  # total so far
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogLine(Event):
+    level: str
+    message: str
+
+
+# ------------------------------------------------------------ data set
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkVerified(Event):
+    index: int
+    name: str
+    samples: int
+    held: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorrentStats(Event):
+    chunks_held: int
+    chunks_total: int
+    download_rate: float  # bytes/s
+    upload_rate: float
+    peers: int
+    seeds: int
+    downloaded: int  # payload bytes total
+    uploaded: int
+    progress: float  # 0..1
+
+
+# ------------------------------------------------------------ averaging
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundDone(Event):
+    round_id: str
+    kind: str  # "grad" or "params"
+    step: int
+    members: tuple[str, ...]
+    my_part: int  # -1 = client mode
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes: int  # what fp32 without compression would have moved
+    duration_s: float
+    phases: dict[str, float]  # seconds per phase, e.g. {"encode": .., "exchange": .., "decode": ..}
+    dropped: tuple[str, ...]  # members whose contribution did not arrive in time
+    rejected: tuple[str, ...]  # members whose contribution failed a check (and why, in LogLine)
+    clipped: tuple[str, ...]  # members whose contribution was clipped to the norm bound
+    failed_parts: tuple[int, ...]  # parts whose owner failed; local values kept
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoundFailed(Event):
+    round_id: str
+    step: int
+    reason: str
+
+
+# ------------------------------------------------------------ state sync
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSyncStarted(Event):
+    step: int
+    content_hash: str
+    total_bytes: int
+    donors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSyncProgress(Event):
+    done_bytes: int
+    total_bytes: int
+    rate: float  # bytes/s
+    donors_active: int
+    eta_s: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DonorBanned(Event):
+    donor: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateLoaded(Event):
+    step: int
+    content_hash: str
+    duration_s: float
+    donors_used: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateServed(Event):
+    """This peer published a snapshot of its state for others to fetch."""
+
+    step: int
+    content_hash: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Left(Event):
+    reason: str
+
+
+Emit = Callable[[Event], None]
+
+
+def no_emit(event: Event) -> None:
+    """An ``emit`` that drops events."""
+
+
+def to_dict(event: Event) -> dict[str, Any]:
+    data = {"event": type(event).__name__}
+    for f in dataclasses.fields(event):
+        value = getattr(event, f.name)
+        data[f.name] = list(value) if isinstance(value, tuple) else value
+    return data
