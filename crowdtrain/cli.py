@@ -63,9 +63,15 @@ def root(
 
 # One sub-app per area, mounted once the area exists: (module, attribute, command name). The modules live
 # in crowdtrain/commands/, on top of the areas they drive.
-SUBAPPS: list[tuple[str, str, str]] = []
+SUBAPPS: list[tuple[str, str, str]] = [
+    ("crowdtrain.commands.dataset", "app", "dataset"),
+    ("crowdtrain.commands.tracker", "app", "tracker"),
+    ("crowdtrain.commands.run", "app", "run"),
+]
 # Single commands that sit at the root: (module, attribute, command name).
-COMMANDS: list[tuple[str, str, str]] = []
+COMMANDS: list[tuple[str, str, str]] = [
+    ("crowdtrain.commands.status", "status", "status"),
+]
 
 for _module, _attr, _name in SUBAPPS:
     app.add_typer(getattr(importlib.import_module(_module), _attr), name=_name)

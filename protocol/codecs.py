@@ -3,14 +3,23 @@
 All codecs take and return flat ``float32`` numpy arrays (a CPU torch tensor gives one for free with
 ``tensor.numpy()``). zstd releases the GIL; numpy's casts run in C.
 
-What each codec does with non-finite values:
+What each codec does with non-finite values (a peer's own encoder; a malicious sender can put anything in
+a payload, so receivers check finiteness after decoding):
 
 * ``none`` keeps NaN and ±inf bit for bit.
-* ``fp16`` keeps NaN and ±inf; finite values beyond ±65504 become ±inf (the receiver's finiteness check
-  then rejects the contribution, which is the point: such a gradient is broken anyway).
-* ``bf16`` keeps NaN and ±inf; rounding is to nearest even.
+* ``fp16`` keeps NaN (as the quiet NaN 0x7E00, sign kept) and ±inf; rounding is to nearest even,
+  bit-exact with numpy's cast, so finite values of magnitude ≥ 65520 become ±inf (the receiver's
+  finiteness check then rejects the contribution, which is the point: such a gradient is broken anyway)
+  and values of magnitude ≤ 2⁻²⁵ ≈ 3e-8 flush to ±0.
+* ``bf16`` keeps NaN (quiet, sign kept) and ±inf; rounding is to nearest even, so finite values beyond
+  bfloat16's largest (≈ 3.39e38) become ±inf.
 * ``int8`` quantises per block of ``INT8_BLOCK`` values with an fp32 absmax scale; a block holding any
   NaN or inf gets a NaN scale, so the whole block decodes as NaN and is rejected by the receiver.
+  Finite values decode within half a quantisation step (absmax / 254) of the input (for blocks whose
+  absmax is a normal float32 well above 127 × 2⁻¹²⁶, i.e. every real gradient).
+
+The 16-bit codecs write their payload as two byte planes (all low bytes, then all high bytes): the high
+bytes of gradients (sign and exponent) are repetitive, and zstd compresses them far better apart.
 
 Lossy codecs are used through :class:`ErrorFeedback`, which carries the quantisation error into the next
 encode so that it is not lost, only delayed.
@@ -61,19 +70,79 @@ def raw_size(codec: Codec, n: int) -> int:
     return 4 * blocks + n
 
 
-def _to_bf16(x: np.ndarray) -> np.ndarray:
-    bits = x.view(np.uint32)
-    # round to nearest even on the 16 dropped bits; NaN stays NaN by forcing a mantissa bit
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    out = ((bits + rounding) >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+def _split_planes(halves: np.ndarray) -> bytes:
+    """Write 16-bit values (held in a uint32 array) as two byte planes: all low bytes, then all high bytes.
+
+    The high bytes (sign and exponent) of gradients are very repetitive; planed, zstd finds that.
+    """
+    n = halves.size
+    out = np.empty(2 * n, dtype=np.uint8)
+    np.copyto(out[:n], halves, casting="unsafe")  # keeps the low byte
+    halves >>= 8
+    np.copyto(out[n:], halves, casting="unsafe")
+    return out.tobytes()
+
+
+def _join_planes(raw: bytes, n: int, dtype: type[np.unsignedinteger]) -> np.ndarray:
+    """Invert :func:`_split_planes` into an array of ``dtype`` (uint16 or uint32)."""
+    planes = np.frombuffer(raw, dtype=np.uint8)
+    out = planes[n:].astype(dtype)
+    out <<= 8
+    out |= planes[:n]
     return out
 
 
-def _from_bf16(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << 16).view(np.float32)
+def _to_fp16(x: np.ndarray) -> np.ndarray:
+    """float32 → IEEE half bits (in a uint32 array), round to nearest even, NaN kept, overflow → ±inf.
+
+    Bit-exact with ``x.astype(np.float16)`` but branch-free: numpy's cast takes a slow path for every
+    half-precision subnormal, and half of a gradient's values are that small. (The algorithm is
+    Maratyszcza's ``fp16_ieee_from_fp32_value``: the FPU does the rounding.)
+    """
+    w = x.view(np.uint32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        base = np.abs(x)
+        base *= np.float32(2.0**112)
+        base *= np.float32(2.0**-110)
+        bias = np.left_shift(w, 1)
+        nan = bias > np.uint32(0xFF000000)
+        bias &= np.uint32(0xFF000000)
+        np.maximum(bias, np.uint32(0x71000000), out=bias)
+        bias >>= 1
+        bias += np.uint32(0x07800000)
+        base += bias.view(np.float32)
+    bits = base.view(np.uint32)
+    half = bias  # reuse the buffer
+    np.right_shift(bits, 13, out=half)
+    half &= np.uint32(0x7C00)
+    bits &= np.uint32(0x0FFF)
+    half += bits
+    if nan.any():
+        half[nan] = 0x7E00
+    sign = np.right_shift(w, 16)
+    sign &= np.uint32(0x8000)
+    half |= sign
+    return half
+
+
+# Every half-precision value as float32: a 256 KiB table lookup is 5x faster than numpy's cast, which
+# (like the encoder's) takes a slow path for half subnormals. Bit-exact with numpy by construction.
+_FP16_TO_FP32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_FP16_TO_FP32.flags.writeable = False
+
+
+def _to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bits (in a uint32 array), round to nearest even, NaN kept quiet."""
+    bits = x.view(np.uint32)
+    rounding = np.right_shift(bits, 16)
+    rounding &= np.uint32(1)
+    rounding += np.uint32(0x7FFF)
+    rounding += bits  # wraps only for NaN payloads, which are fixed below
+    rounding >>= 16
+    nan = np.isnan(x)
+    if nan.any():
+        rounding[nan] = (bits[nan] >> 16) | 0x40
+    return rounding
 
 
 def _int8_encode(x: np.ndarray) -> bytes:
@@ -95,9 +164,14 @@ def _int8_encode(x: np.ndarray) -> bytes:
 def _int8_decode(raw: bytes, n: int) -> np.ndarray:
     blocks = -(-n // INT8_BLOCK)
     scales = np.frombuffer(raw, dtype=np.float32, count=blocks)
-    q = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
+    q = np.empty(blocks * INT8_BLOCK, dtype=np.float32)
     q[:n] = np.frombuffer(raw, dtype=np.int8, offset=4 * blocks, count=n)
-    return (q.reshape(blocks, INT8_BLOCK) * scales[:, None]).reshape(-1)[:n]
+    q[n:] = 0
+    view = q.reshape(blocks, INT8_BLOCK)
+    # a peer's scale may be inf or NaN: the values are then non-finite and the receiver's check rejects them
+    with np.errstate(invalid="ignore", over="ignore"):
+        view *= scales[:, None]
+    return q[:n]
 
 
 def transform(x: np.ndarray, codec: Codec) -> bytes:
@@ -106,10 +180,9 @@ def transform(x: np.ndarray, codec: Codec) -> bytes:
     if codec is Codec.NONE:
         return x.tobytes()
     if codec is Codec.FP16:
-        with np.errstate(over="ignore"):
-            return x.astype(np.float16).tobytes()
+        return _split_planes(_to_fp16(x))
     if codec is Codec.BF16:
-        return _to_bf16(x).tobytes()
+        return _split_planes(_to_bf16(x))
     return _int8_encode(x)
 
 
@@ -122,9 +195,11 @@ def untransform(raw: bytes, codec: Codec, n: int) -> np.ndarray:
     if codec is Codec.NONE:
         return np.frombuffer(raw, dtype=np.float32).copy()
     if codec is Codec.FP16:
-        return np.frombuffer(raw, dtype=np.float16).astype(np.float32)
+        return np.take(_FP16_TO_FP32, _join_planes(raw, n, np.uint16))
     if codec is Codec.BF16:
-        return _from_bf16(np.frombuffer(raw, dtype=np.uint16))
+        bits = _join_planes(raw, n, np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
     return _int8_decode(raw, n)
 
 
@@ -183,12 +258,18 @@ class ErrorFeedback:
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         if self.codec is Codec.NONE:
             return transform(x, self.codec), x
-        target = x if self.residual is None or self.residual.shape != x.shape else x + self.residual
-        raw = transform(target, self.codec)
-        sent = untransform(raw, self.codec, target.size)
-        with np.errstate(invalid="ignore"):
-            residual = target - sent
-        self.residual = np.where(np.isfinite(residual), residual, np.float32(0.0)).astype(np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):
+            if self.residual is None or self.residual.shape != x.shape:
+                target = x
+                residual = np.empty_like(x)
+            else:
+                target = residual = x + self.residual  # a new array: the residual is computed in place
+            raw = transform(target, self.codec)
+            sent = untransform(raw, self.codec, target.size)
+            np.subtract(target, sent, out=residual)
+        if not np.isfinite(residual).all():  # a NaN or inf input is dropped, not carried forward
+            residual[~np.isfinite(residual)] = 0.0
+        self.residual = residual
         return raw, sent
 
     def reset(self) -> None:

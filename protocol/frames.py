@@ -73,6 +73,10 @@ def parse_header(buf: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> Fr
     if any(dims[ndim:]):
         raise ProtocolError("frame header has non-zero dimensions past its ndim")
     shape = tuple(dims[:ndim])
+    if max(shape) > limits.max_elements:  # also keeps (0, 2**63) away from numpy, which cannot shape it
+        raise LimitExceeded(
+            f"frame declares a dimension of {max(shape)}, more than the limit of {limits.max_elements} elements"
+        )
     numel = 1
     for d in shape:
         numel *= d

@@ -186,6 +186,9 @@ class JoinResponse(Message, kw_only=True):
     global_step: int
     heartbeat_interval_s: float
     peer_ttl_s: float
+    # hex HMAC key for the peer's requests to the tracker (cheaper than an Ed25519 signature per heartbeat);
+    # only the tracker and this peer know it. None: sign tracker requests with the Ed25519 key.
+    session_key: str | None = None
 
 
 class StateVersion(Message, kw_only=True):
@@ -358,7 +361,7 @@ def decode(data: bytes | str, kind: type[M], limits: Limits = DEFAULT_LIMITS) ->
         return msgspec.json.decode(data, type=kind, strict=True)
     except msgspec.ValidationError as exc:
         raise ProtocolError(f"{kind.__name__}: {exc}") from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 inside a key
         raise ProtocolError(f"{kind.__name__} is not valid JSON: {exc}") from None
 
 
@@ -372,3 +375,14 @@ def convert(obj: Any, kind: type[M]) -> M:
 
 def replace(msg: M, **changes: Any) -> M:
     return msgspec.structs.replace(msg, **changes)
+
+
+# ---------------------------------------------------------------- tracker administration
+
+
+class DatasetRegistration(Message, kw_only=True):
+    """publisher → tracker (admin): serve BitTorrent announces for this info-hash."""
+
+    version: Version = VERSION
+    infohash: str  # v1 info-hash, 40 lowercase hex characters
+    name: str

@@ -16,6 +16,7 @@ rounds; within a round a receiver accepts one contribution per sender and part.
 from __future__ import annotations
 
 import base64
+import math
 import time
 from collections.abc import Mapping
 
@@ -67,6 +68,8 @@ def check_headers(
         signed_at = float(stamp)
     except ValueError:
         raise AuthError(f"{HEADER_TIME} is not a number of seconds") from None
+    if not math.isfinite(signed_at):  # "nan" would pass the skew test below and never expire
+        raise AuthError(f"{HEADER_TIME} is not a finite number of seconds")
     if abs(now - signed_at) > MAX_SKEW_S:
         raise AuthError(
             f"request was signed {now - signed_at:.0f} s away from this peer's clock; check your clock"

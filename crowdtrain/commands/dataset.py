@@ -1,0 +1,203 @@
+"""``crowdtrain dataset make|info|seed``: turn a source into chunks and a torrent, describe it, seed it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+import typer
+
+from crowdtrain.commands.common import run_async, wants_json
+from crowdtrain.protocol.errors import ConfigError, DatasetError
+
+app = typer.Typer(help="Make, inspect and seed BitTorrent data sets.", no_args_is_help=True)
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}  # fmt: skip
+
+
+def parse_size(text: str, option: str) -> int:
+    """``4MiB``, ``256KiB``, ``1000000`` → bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise typer.BadParameter(
+            f"{text!r} is not a size; write e.g. 4MiB, 256KiB or 1000000", param_hint=option
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def announce_url_of(tracker: str) -> str:
+    tracker = tracker.rstrip("/")
+    return tracker if tracker.endswith("/announce") else tracker + "/announce"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@app.command("make")
+def make(
+    ctx: typer.Context,
+    source: str = typer.Argument(
+        ..., help="A folder of text files, a .jsonl, .npy or .npz file, or builtin:stdlib (the demo corpus)."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Folder to write the chunks, manifest and torrent into."
+    ),
+    chunk_size: str = typer.Option("4MiB", "--chunk-size", help="Bytes per chunk file (e.g. 4MiB, 256KiB)."),
+    name: str | None = typer.Option(None, "--name", help="Data set name (default: from the source)."),
+    tracker: str | None = typer.Option(
+        None, "--tracker", help="Tracker URL; its /announce goes in the torrent."
+    ),
+    web_seed: str | None = typer.Option(None, "--web-seed", help="HTTP base URL serving the files (BEP 19)."),
+    text_field: str = typer.Option("text", "--text-field", help="Field holding the text in a .jsonl source."),
+    max_bytes: str | None = typer.Option(None, "--max-bytes", help="Stop after this much data (e.g. 4MiB)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Cut SOURCE into chunk files, write manifest.json and a v1 .torrent."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    from crowdtrain.datasets.make import make_dataset
+    from crowdtrain.datasets.torrent import read_dataset_info
+
+    chunk_bytes = parse_size(chunk_size, "--chunk-size")
+    cap = parse_size(max_bytes, "--max-bytes") if max_bytes else None
+    as_json = wants_json(ctx, json_out)
+    bar = Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        transient=True, disable=as_json or not sys.stderr.isatty(),
+    )  # fmt: skip
+    with bar:
+        task = bar.add_task("chunking", total=None)
+        manifest = make_dataset(
+            source,
+            out,
+            chunk_bytes=chunk_bytes,
+            name=name,
+            announce_url=announce_url_of(tracker) if tracker else None,
+            web_seed=web_seed,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            text_field=text_field,
+            max_bytes=cap,
+        )
+    info = read_dataset_info(out)
+    if as_json:
+        typer.echo(json.dumps(info.to_dict()))
+        return
+    typer.echo(
+        f"made data set {manifest.name!r}: {len(manifest.chunks)} chunks, {manifest.total_samples} "
+        f"{'tokens' if manifest.kind == 'tokens' else 'samples'}, {_human(info.total_bytes)}\n"
+        f"  info-hash {info.infohash}\n  torrent   {info.torrent_path}"
+    )
+
+
+@app.command("info")
+def info(
+    ctx: typer.Context,
+    path: Path = typer.Argument(..., help="A data set folder or a .torrent file."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Print what a data set folder or .torrent holds."""
+    from crowdtrain.datasets.torrent import read_dataset_info
+
+    ds = read_dataset_info(path)
+    if wants_json(ctx, json_out):
+        typer.echo(json.dumps(ds.to_dict()))
+        return
+    lines = [
+        f"name       {ds.name}",
+        f"info-hash  {ds.infohash}",
+        f"files      {ds.files} ({_human(ds.total_bytes)}), {ds.pieces} pieces of {_human(ds.piece_bytes)}",
+        f"trackers   {', '.join(ds.trackers) or '(none)'}",
+        f"web seeds  {', '.join(ds.web_seeds) or '(none)'}",
+    ]
+    if ds.manifest is not None:
+        m = ds.manifest
+        layout = m.dtype if m.kind == "tokens" else f"x {m.dtype}{m.sample_shape}, y {m.label_dtype}"
+        lines += [
+            f"kind       {m.kind} ({layout})",
+            f"chunks     {len(m.chunks)} of up to {_human(m.chunk_bytes)}",
+            f"samples    {m.total_samples}",
+        ]
+    typer.echo("\n".join(lines))
+
+
+@app.command("seed")
+def seed(
+    ctx: typer.Context,
+    data_dir: Path = typer.Argument(..., help="A folder made by `dataset make` (or fully downloaded)."),
+    tracker: str | None = typer.Option(None, "--tracker", help="Tracker URL to register the data set with."),
+    admin_token: str | None = typer.Option(
+        None, "--admin-token", envvar="CROWDTRAIN_ADMIN_TOKEN", help="The tracker's admin token."
+    ),
+    listen: str = typer.Option("0.0.0.0:0", "--listen", help="host:port to accept peers on (port 0 = any)."),
+    upload_limit: str = typer.Option("0", "--upload-limit", help="Upload rate limit per second (0 = none)."),
+    json_out: bool = typer.Option(False, "--json", help="Print stats as JSON lines."),
+) -> None:
+    """Seed a data set until Ctrl-C, showing peers and upload rate."""
+    from crowdtrain.datasets.session import SessionConfig
+
+    try:
+        cfg = SessionConfig(listen=listen, upload_rate_limit=parse_size(upload_limit, "--upload-limit"))
+    except ConfigError as exc:
+        raise typer.BadParameter(exc.problem, param_hint=f"--{exc.field.replace('_', '-')}") from None
+    if tracker and not admin_token:
+        raise typer.BadParameter(
+            "registering with a tracker needs its admin token", param_hint="--admin-token"
+        )
+    run_async(_seed(data_dir, tracker, admin_token, cfg, wants_json(ctx, json_out)))
+
+
+async def _seed(data_dir: Path, tracker: str | None, admin_token: str | None, cfg, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from crowdtrain.datasets.session import TorrentSession
+    from crowdtrain.datasets.torrent import find_torrent, read_dataset_info
+
+    ds = read_dataset_info(data_dir)
+    if ds.manifest is None:
+        raise DatasetError(f"{data_dir} has no manifest; give the folder made by `dataset make`.")
+    if tracker:
+        await _register(tracker, admin_token or "", ds.infohash, ds.name)
+    torrent_bytes = find_torrent(data_dir).read_bytes()
+    async with TorrentSession(cfg) as ses:
+        dl = await ses.seed(data_dir, torrent_bytes, manifest=ds.manifest)
+        head = f"seeding {ds.name} ({ds.infohash}) on port {ses.listen_port}"
+        console = Console()
+        if as_json:
+            event = {"event": "Seeding", "name": ds.name, "infohash": ds.infohash, "port": ses.listen_port}
+            typer.echo(json.dumps(event))
+        elif not console.is_terminal:
+            typer.echo(head)
+        live = Live(console=console, transient=True) if console.is_terminal and not as_json else None
+        with live or contextlib.nullcontext():
+            for tick in itertools.count():
+                st = dl.stats()
+                line = f"{st.peers} peer(s), up {_human(st.upload_rate)}/s, sent {_human(st.uploaded)}"
+                if as_json:
+                    stats = {"event": "TorrentStats", "peers": st.peers, "upload_rate": st.upload_rate,
+                             "uploaded": st.uploaded, "chunks": st.chunks_total}  # fmt: skip
+                    typer.echo(json.dumps(stats))
+                elif live is not None:
+                    live.update(f"{head}\n{line} (Ctrl-C to stop)", refresh=True)
+                elif tick % 10 == 0:  # no terminal: a line every 10 s
+                    typer.echo(line)
+                await asyncio.sleep(1.0)
+
+
+async def _register(tracker: str, admin_token: str, infohash: str, name: str) -> None:
+    """Tell the tracker this info-hash is a data set, so its /announce serves the swarm."""
+    from crowdtrain.tracker.client import TrackerClient
+
+    async with TrackerClient(tracker, admin_token=admin_token) as client:
+        await client.register_dataset(infohash, name)

@@ -1,0 +1,271 @@
+"""``crowdtrain demo``: the whole system on this machine in one command.
+
+It starts a tracker on a free loopback port with a temporary database, cuts the built-in corpus (the
+Python standard library's own source) into a small data set, seeds it, creates a run, and starts N
+volunteer processes through the ordinary ``crowdtrain join`` path, the last one late so that it has to
+catch up. Each volunteer prints its events as JSON lines; the demo folds them into one view and ends with
+a summary. Ctrl-C stops everything; no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import typer
+
+from crowdtrain.commands.common import run_async
+from crowdtrain.protocol.errors import ConfigError, CrowdtrainError
+
+DEMO_CHUNK_BYTES = 64 * 1024
+DEMO_MAX_BYTES = 3 * 1024 * 1024
+DEMO_SEEDER_RATE = 1_000_000  # bytes/s: slow enough that volunteers also fetch chunks from each other
+STOP_GRACE_S = 8.0
+
+
+@dataclass(slots=True)
+class VolunteerProc:
+    name: str
+    proc: asyncio.subprocess.Process | None = None
+    state: object = None  # a ViewState
+    first_losses: list[float] = field(default_factory=list)
+    last_losses: list[float] = field(default_factory=list)
+    bytes_sent: int = 0
+    raw_bytes: int = 0
+    downloaded: int = 0
+    stderr_tail: list[str] = field(default_factory=list)
+
+
+def demo(
+    volunteers: int = typer.Option(3, "--volunteers", min=1, max=8, help="Volunteer processes to start."),
+    steps: int = typer.Option(30, "--steps", min=1, help="Global steps to train before stopping."),
+    model: str = typer.Option("tiny-gpt", "--model", help="Model recipe (tiny-gpt on the built-in corpus)."),
+    codec: str = typer.Option("int8", "--codec", help="Gradient codec: none, fp16, bf16 or int8."),
+    late: bool = typer.Option(True, "--late/--no-late", help="Start the last volunteer late, to show catch-up."),
+    plain: bool = typer.Option(False, "--plain", help="Print lines instead of the live view."),
+) -> None:
+    """Run a tracker, a seeder and N volunteers on this machine, show them train, and print a summary."""
+    if model != "tiny-gpt":
+        raise ConfigError("--model", "the demo's built-in corpus is text; only tiny-gpt is offered")
+    if codec not in ("none", "fp16", "bf16", "int8"):
+        raise ConfigError("--codec", f"{codec!r} is not one of none, fp16, bf16, int8")
+    run_async(_demo(volunteers, steps, codec, late and volunteers > 1, plain or not sys.stdout.isatty()))
+
+
+async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None:
+    from rich.console import Console
+    from rich.live import Live
+
+    from crowdtrain.datasets.make import make_dataset
+    from crowdtrain.datasets.session import SessionConfig, TorrentSession
+    from crowdtrain.publisher import build_run_create
+    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.tracker.config import TrackerConfig
+    from crowdtrain.tracker.server import serve
+    from crowdtrain.volunteer.view.demo import DemoRow, render_demo
+    from crowdtrain.volunteer.view.state import ViewState
+
+    console = Console()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="crowdtrain-demo-") as tmp_name:
+        tmp = Path(tmp_name)
+        config = TrackerConfig(db=str(tmp / "tracker.db"), heartbeat_interval_s=0.5, peer_ttl_s=10.0)
+        async with serve(config) as tracker:
+            console.print(f"tracker      {tracker.url}")
+            data = tmp / "dataset"
+            manifest = await asyncio.to_thread(
+                make_dataset,
+                "builtin:stdlib",
+                data,
+                chunk_bytes=DEMO_CHUNK_BYTES,
+                name="stdlib-demo",
+                announce_url=tracker.announce_url,
+                max_bytes=DEMO_MAX_BYTES,
+            )
+            console.print(
+                f"data set     {manifest.name}: {len(manifest.chunks)} chunks, "
+                f"{manifest.total_samples / 1e6:.1f} M byte tokens of Python source"
+            )
+            create = await asyncio.to_thread(
+                build_run_create,
+                data,
+                name="demo",
+                model={"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}},
+                target_batch_size=96,
+                micro_batch_size=16,
+                optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
+                schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": max(steps, 10)},
+                averaging={
+                    "group_size": 4,
+                    "codec": codec,
+                    "round_timeout_s": 15.0,
+                    "gather_s": 1.0,
+                    "step_timeout_s": 20.0,
+                    "average_state_every": 5,
+                },
+            )
+            async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
+                spec = (await client.create_run(create)).spec
+            console.print(f"run          {spec.run_id} ({spec.model.recipe}, codec {codec}, {n} volunteers)")
+
+            seeder = TorrentSession(SessionConfig(upload_rate_limit=DEMO_SEEDER_RATE))
+            await seeder.start()
+            seed_download = await seeder.seed(data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest)
+            procs = [VolunteerProc(name=f"volunteer-{i + 1}", state=ViewState()) for i in range(n)]
+            try:
+                await _run_volunteers(
+                    procs, tracker.url, spec.run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live
+                )
+            finally:
+                await _stop_all(procs)
+                seeder_uploaded = seed_download.stats().uploaded
+                await seeder.close()
+            _summary(console, procs, steps, time.monotonic() - started, seeder_uploaded)
+
+
+async def _run_volunteers(procs, tracker_url, run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live):
+    from crowdtrain.volunteer.view.lines import parse_json_line, plain_line
+    from crowdtrain.volunteer.view.state import apply
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+    async def start(p: VolunteerProc) -> None:
+        p.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "join",
+            run_id,
+            "--tracker",
+            tracker_url,
+            "--json",
+            "--data-dir",
+            str(tmp / p.name),
+            "--max-steps",
+            str(steps),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the demo only; it stops the volunteers itself
+        )
+
+    async def pump(p: VolunteerProc) -> None:
+        from crowdtrain.volunteer import events as ev
+
+        assert p.proc is not None and p.proc.stdout is not None
+        async for raw in p.proc.stdout:
+            try:
+                event = parse_json_line(raw.decode())
+            except (CrowdtrainError, ValueError):
+                continue
+            p.state = apply(p.state, event)
+            if isinstance(event, ev.LocalTraining):
+                if len(p.first_losses) < 3:
+                    p.first_losses.append(event.loss)
+                p.last_losses = [*p.last_losses[-2:], event.loss]
+            elif isinstance(event, ev.RoundDone):
+                p.bytes_sent += event.bytes_sent
+                p.raw_bytes += event.raw_bytes
+            elif isinstance(event, ev.TorrentStats):
+                p.downloaded = event.downloaded
+            if plain and isinstance(event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed):
+                line = plain_line(event)
+                if line:
+                    console.print(f"{p.name}: {line}", markup=False, highlight=False)
+
+    async def drain_stderr(p: VolunteerProc) -> None:
+        assert p.proc is not None and p.proc.stderr is not None
+        async for raw in p.proc.stderr:
+            p.stderr_tail = [*p.stderr_tail[-20:], raw.decode(errors="replace").rstrip()]
+
+    def view():
+        rows = [DemoRow.from_state(p.name, p.state) for p in procs]
+        return render_demo(procs[0].state, rows)
+
+    on_time = procs[:-1] if late else procs
+    async with asyncio.TaskGroup() as tg:
+        for p in on_time:
+            await start(p)
+            tg.create_task(pump(p))
+            tg.create_task(drain_stderr(p))
+        live = None if plain else Live(view(), console=console, auto_refresh=False, transient=False)
+        with live if live is not None else contextlib.nullcontext():
+            late_started = not late
+            while True:
+                if live is not None:
+                    live.update(view(), refresh=True)
+                running = [p for p in procs if p.proc is not None and p.proc.returncode is None]
+                if late_started and not running:
+                    break
+                if not late_started:
+                    step = max((p.state.global_step or 0) for p in on_time)
+                    if step >= max(2, steps // 3) or all(p.proc.returncode is not None for p in on_time):
+                        late_started = True
+                        await start(procs[-1])
+                        tg.create_task(pump(procs[-1]))
+                        tg.create_task(drain_stderr(procs[-1]))
+                        if plain:
+                            console.print(f"{procs[-1].name} joins late, at global step {step}")
+                await asyncio.sleep(0.25)
+            if live is not None:
+                live.update(view(), refresh=True)
+    failed = [p for p in procs if p.proc is not None and p.proc.returncode not in (0, None)]
+    for p in failed:
+        console.print(f"{p.name} exited with code {p.proc.returncode}:", style="red")
+        for line in p.stderr_tail[-8:]:
+            console.print(f"  {line}", markup=False, highlight=False)
+    if failed:
+        raise CrowdtrainError(f"{len(failed)} of {len(procs)} demo volunteers failed; their last output is above.")
+
+
+async def _stop_all(procs: list[VolunteerProc]) -> None:
+    """SIGINT each running volunteer (it leaves the run cleanly), then SIGKILL what is still there."""
+    running = [p.proc for p in procs if p.proc is not None and p.proc.returncode is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in running:
+        try:
+            await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, seeder_uploaded: int) -> None:
+    first = _mean([v for p in procs for v in p.first_losses[:1]])
+    last = _mean([v for p in procs for v in p.last_losses[-1:]])
+    sent = sum(p.bytes_sent for p in procs)
+    raw = sum(p.raw_bytes for p in procs)
+    downloaded = sum(p.downloaded for p in procs)
+    from_peers = max(0, downloaded - seeder_uploaded)
+    final_step = max((p.state.global_step or 0) for p in procs)
+    console.rule("demo summary")
+    console.print(f"global steps      {final_step} (asked for {steps})")
+    console.print(f"wall time         {wall_s:.1f} s")
+    if first is not None and last is not None:
+        console.print(f"training loss     {first:.3f} → {last:.3f} ({(1 - last / first) * 100:.0f}% lower)")
+    if raw:
+        console.print(
+            f"gradient bytes    {sent / 1e6:.2f} MB sent vs {raw / 1e6:.2f} MB as fp32 ({raw / max(sent, 1):.1f}× smaller)"
+        )
+    console.print(
+        f"data set chunks   {downloaded / 1e6:.2f} MB downloaded: {seeder_uploaded / 1e6:.2f} MB from the seeder, "
+        f"{from_peers / 1e6:.2f} MB from other volunteers"
+    )
+    caught = [p.name for p in procs if p.state.sync_loaded_step is not None]
+    if caught:
+        console.print(f"state catch-up    {', '.join(caught)} loaded the run's state from peers")

@@ -1,0 +1,80 @@
+"""``crowdtrain export RUN_ID --tracker URL --out model.safetensors``: the run's newest weights, to keep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from crowdtrain.commands.common import run_async, wants_json
+from crowdtrain.protocol.errors import StateSyncError
+
+
+async def export_state(run_id: str, tracker_url: str, out: Path, token: str | None, timeout_s: float) -> dict:
+    """Fetch the newest state like a newcomer (several donors, verified ranges) and write its weights."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    from crowdtrain import __version__
+    from crowdtrain.protocol.credentials import SigningKey
+    from crowdtrain.protocol.messages import JoinRequest, LeaveRequest
+    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.volunteer.state.config import StateConfig
+    from crowdtrain.volunteer.state.fetch import fetch_state
+    from crowdtrain.volunteer.state.snapshot import load_snapshot
+
+    key = SigningKey()
+    async with TrackerClient(tracker_url, timeout_s=timeout_s) as tracker:
+        await tracker.get_spec(run_id)
+        donors = await tracker.donors(run_id)
+        if donors.state is None or not donors.donors:
+            raise StateSyncError(
+                f"no volunteer of run {run_id} serves its state right now; export while volunteers are online"
+            )
+        # Peers serve state only to run members, so the exporter joins in client mode and leaves again.
+        join = await tracker.join(
+            run_id, JoinRequest(public_key=key.public_hex, token=token, device="cpu", client_version=__version__)
+        )
+        try:
+            data = await fetch_state(
+                donors=donors.donors,
+                version=donors.state,
+                run_id=run_id,
+                key=key,
+                credential=join.credential,
+                config=StateConfig(),
+            )
+        finally:
+            await tracker.leave(run_id, LeaveRequest(peer_id=join.peer_id), key, join.credential)
+    loaded = await asyncio.to_thread(load_snapshot, data)
+    info = {
+        "run_id": run_id,
+        "step": loaded.step,
+        "recipe": loaded.recipe,
+        "args": loaded.args,
+        "content_hash": donors.state.content_hash,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"crowdtrain": json.dumps(info, sort_keys=True)}
+    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(out), metadata)
+    out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return info
+
+
+def export(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., help="The run whose newest weights to fetch."),
+    tracker: str = typer.Option(..., "--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL."),
+    out: Path = typer.Option(..., "--out", help="Where to write the weights (.safetensors); a .json sits beside."),
+    token: str | None = typer.Option(None, "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker per request."),
+    json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+) -> None:
+    """Fetch the run's newest state from its volunteers and write the model weights with recipe and args."""
+    info = run_async(export_state(run_id, tracker.rstrip("/"), out, token, timeout))
+    if wants_json(ctx, json_out):
+        typer.echo(json.dumps({**info, "out": str(out)}))
+    else:
+        typer.echo(f"wrote {out} ({info['recipe']} at global step {info['step']}) and {out.with_suffix('.json')}")

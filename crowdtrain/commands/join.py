@@ -1,0 +1,78 @@
+"""``crowdtrain join RUN_ID --tracker URL``: lend this machine to a run until Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from crowdtrain.commands.common import run_async, wants_json
+
+
+def default_data_dir(run_id: str) -> Path:
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return base / "crowdtrain" / "runs" / run_id
+
+
+def join(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., help="The run to join (see `crowdtrain status` or the publisher)."),
+    tracker: str = typer.Option(..., "--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL."),
+    token: str | None = typer.Option(
+        None, "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run.", show_default=False
+    ),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (mixed precision on CUDA)."),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the peer server listens on."),
+    port: int = typer.Option(0, "--port", help="Port of the peer server (0: any free port)."),
+    advertise: str | None = typer.Option(
+        None, "--advertise", help="Host other peers reach this one at (default: --host)."
+    ),
+    client_mode: bool = typer.Option(
+        False, "--client-mode", help="Behind NAT: declare no address, own no all-reduce part, only send."
+    ),
+    max_batch: int | None = typer.Option(None, "--max-batch", help="Cap on the micro-batch size (memory)."),
+    max_steps: int | None = typer.Option(
+        None, "--max-steps", help="Leave once the run reaches this global step (default: stay until Ctrl-C)."
+    ),
+    plain: bool = typer.Option(False, "--plain", help="One line per event instead of the live view."),
+    json_out: bool = typer.Option(False, "--json", help="One JSON object per event (JSON lines)."),
+) -> None:
+    """Join a run: download its data over BitTorrent, train, average gradients with peers, until Ctrl-C."""
+    from crowdtrain.volunteer.config import VolunteerConfig
+    from crowdtrain.volunteer.engine import Volunteer
+    from crowdtrain.volunteer.view.live import ViewSink, choose_mode
+
+    config = VolunteerConfig(
+        run_id=run_id,
+        tracker_url=tracker.rstrip("/"),
+        data_dir=data_dir or default_data_dir(run_id),
+        token=token,
+        device=device,
+        host=host,
+        port=port,
+        advertise_host=advertise,
+        client_mode=client_mode,
+        max_batch=max_batch,
+        max_steps=max_steps,
+    )
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    requested = "json" if wants_json(ctx, json_out) else "plain" if plain else "live"
+    sink = ViewSink(choose_mode(requested, sys.stdout))
+
+    async def main() -> None:
+        volunteer = Volunteer(config, emit=sink.emit)
+        async with asyncio.TaskGroup() as tg:
+            view = tg.create_task(sink.run())
+            try:
+                await volunteer.run()
+            finally:
+                await sink.close()
+                await view
+
+    run_async(main())

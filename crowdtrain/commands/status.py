@@ -1,0 +1,65 @@
+"""``crowdtrain status RUN --tracker URL``: a run's collaboration progress, as text or JSON."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from crowdtrain.commands.common import run_async, wants_json
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.1f}/s"
+
+
+def format_status(status) -> str:  # status: RunStatus
+    lines = [
+        f"run {status.run_id} ({status.name})",
+        f"  global step   {status.global_step}",
+        f"  samples       {status.samples:,} / {status.target:,} ({100 * status.samples / max(status.target, 1):.0f} %)",
+        f"  eta           {'-' if status.eta_s is None else f'{status.eta_s:.1f} s'}",
+        f"  peers online  {status.peers_online}",
+        f"  throughput    {_rate(status.samples_per_s)} samples",
+    ]
+    if status.peers:
+        lines.append("  peers:")
+        lines.append(f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'mode':<8} {'chunks':>6}")
+        for p in status.peers:
+            mode = "client" if p.client_mode else "server"
+            lines.append(
+                f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12} {mode:<8} {p.chunks_held:>6}"
+            )
+    if status.recent_steps:
+        lines.append("  recent steps:")
+        lines.append(
+            f"    {'step':>6} {'duration':>9} {'samples':>9} {'peers':>6} {'groups':>6} {'closed':>10}"
+        )
+        for s in status.recent_steps:
+            ago = max(0.0, time.time() - s.closed_at)
+            lines.append(
+                f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6} {ago:>7.0f} s ago"
+            )
+    return "\n".join(lines)
+
+
+def status(
+    ctx: typer.Context,
+    run_id: str = typer.Argument(..., help="The run id (from `crowdtrain run create`)."),
+    tracker: str = typer.Option(..., "--tracker", help="Tracker URL, e.g. http://127.0.0.1:8470."),
+    json_out: bool = typer.Option(False, "--json", help="Print the RunStatus JSON."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker."),
+) -> None:
+    """Show a run's global step, samples toward the target, peers online, their throughput, recent steps."""
+    from crowdtrain.protocol.messages import encode
+    from crowdtrain.tracker.client import TrackerClient
+
+    async def fetch():
+        async with TrackerClient(tracker, timeout_s=timeout) as client:
+            return await client.status(run_id)
+
+    result = run_async(fetch())
+    if wants_json(ctx, json_out):
+        typer.echo(encode(result).decode())
+    else:
+        typer.echo(format_status(result))

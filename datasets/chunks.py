@@ -1,0 +1,121 @@
+"""The chunk file format: one ``.npy`` file per chunk, self-describing and safe to load.
+
+* ``tokens`` sets: a 1-D array of token ids (``uint8`` for byte-level text); samples = tokens.
+* ``arrays`` sets: a 1-D structured array with fields ``x`` (one sample's shape) and, for supervised sets,
+  ``y``; samples = rows.
+
+``.npy`` is chosen because its header carries dtype and shape (the file describes itself), numpy reads it
+without pickle (``allow_pickle=False``), and it is byte-for-byte deterministic, so the same input always
+gives the same info-hash. A chunk is only ever loaded after its sha256 matched the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+from crowdtrain.protocol.errors import DatasetError
+from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest
+
+MANIFEST_NAME = "manifest.json"
+MAX_HEADER_BYTES = 4096  # a chunk header longer than this is refused before parsing
+
+
+def chunk_name(index: int) -> str:
+    return f"chunk-{index:05d}.npy"
+
+
+def header_bytes(dtype: np.dtype, count: int) -> int:
+    """Size of the ``.npy`` header numpy writes for ``count`` rows of ``dtype``."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    )
+    return buf.tell()
+
+
+def samples_per_chunk(dtype: np.dtype, chunk_bytes: int) -> int:
+    """How many rows of ``dtype`` fit in a chunk file of at most ``chunk_bytes`` bytes (0 if none fit)."""
+    guess = max(0, (chunk_bytes - 128) // dtype.itemsize)
+    while guess > 0 and header_bytes(dtype, guess) + guess * dtype.itemsize > chunk_bytes:
+        guess -= 1
+    return guess
+
+
+def encode_chunk(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def expected_dtype(manifest: DatasetManifest) -> np.dtype:
+    """The dtype every chunk of ``manifest`` must have."""
+    try:
+        if manifest.kind == "tokens":
+            return np.dtype(manifest.dtype)
+        fields: list[tuple] = [("x", np.dtype(manifest.dtype), tuple(manifest.sample_shape))]
+        if manifest.label_dtype is not None:
+            fields.append(("y", np.dtype(manifest.label_dtype)))
+        return np.dtype(fields)
+    except TypeError as exc:
+        raise DatasetError(
+            f"Manifest of data set {manifest.name!r} names a dtype numpy does not know ({exc}); "
+            "the manifest is damaged or from a newer crowdtrain."
+        ) from None
+
+
+def load_chunk(
+    path: Path, info: ChunkInfo, manifest: DatasetManifest, *, check_hash: bool = True, mmap: bool = False
+) -> np.ndarray:
+    """Read one chunk file, refusing anything that does not match the manifest.
+
+    The sha256 is checked first (the file must be exactly what the publisher made); then the header is
+    parsed with a bounded size, and dtype and row count must be those the manifest promises. With ``mmap``
+    the result maps the file read-only instead of holding its bytes.
+    """
+    try:
+        size = path.stat().st_size
+        if size != info.bytes:
+            raise DatasetError(
+                f"Chunk {info.name} is {size} bytes on disk but the manifest says {info.bytes}; "
+                "it is incomplete or damaged, fetch it again."
+            )
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"Cannot read chunk {path}: {exc.strerror or exc}.") from None
+    if check_hash and hashlib.sha256(data).hexdigest() != info.sha256:
+        raise DatasetError(
+            f"Chunk {info.name} does not match the sha256 in the manifest; it is damaged, fetch it again."
+        )
+    buf = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(buf)
+        if version != (1, 0):
+            raise ValueError(f"npy format version {version} (expected 1.0)")
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(buf, max_header_size=MAX_HEADER_BYTES)
+    except ValueError as exc:
+        raise DatasetError(f"Chunk {info.name} is not a valid chunk file: {exc}.") from None
+    want = expected_dtype(manifest)
+    if dtype != want or fortran or shape != (info.samples,):
+        raise DatasetError(
+            f"Chunk {info.name} holds {shape} of {dtype}, but the manifest promises ({info.samples},) of "
+            f"{want}; the data set is inconsistent."
+        )
+    offset = buf.tell()
+    if offset + info.samples * want.itemsize != len(data):
+        raise DatasetError(
+            f"Chunk {info.name} has {len(data) - offset} data bytes, not what its header says."
+        )
+    if mmap:  # the bytes were checked; keep only a read-only mapping of them in memory
+        return np.memmap(path, dtype=want, mode="r", offset=offset, shape=(info.samples,))
+    return np.frombuffer(data, dtype=want, count=info.samples, offset=offset)

@@ -1,0 +1,414 @@
+"""``crowdtrain dataset make``: cut a source into chunk files, write ``manifest.json`` and a v1 torrent.
+
+Sources:
+
+* a folder of UTF-8 text files (read in sorted path order, each followed by a newline) → byte-level tokens;
+* a ``.jsonl`` file whose objects carry a text field (``text_field``, default ``"text"``) → byte-level tokens;
+* a ``.npy`` file: a 1-D integer array is a token stream; anything else is an ``arrays`` set of its rows;
+* a ``.npz`` file with ``x`` (and optionally ``y``, one label per sample) → a supervised ``arrays`` set;
+* ``builtin:stdlib``: the Python standard library's own ``.py`` files (found through ``sysconfig``),
+  sorted by path, as byte-level tokens: real text that every Python install has.
+
+The same input always gives the same bytes and so the same info-hash: files are read in sorted order, the
+chunk format is deterministic, and the torrent carries no creation date.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from crowdtrain.datasets.chunks import (
+    MANIFEST_NAME,
+    chunk_name,
+    encode_chunk,
+    expected_dtype,
+    header_bytes,
+    samples_per_chunk,
+)
+from crowdtrain.datasets.torrent import write_torrent
+from crowdtrain.protocol.errors import ConfigError, DatasetError
+from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest, encode
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_CHUNK_BYTES = 4 * MiB
+MIN_CHUNK_BYTES = 4 * KiB
+MAX_CHUNK_BYTES = 64 * MiB
+STDLIB_SOURCE = "builtin:stdlib"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """A source opened for reading: its layout and a generator of row blocks."""
+
+    kind: str  # "tokens" or "arrays"
+    dtype: np.dtype  # row dtype (structured for arrays)
+    manifest_fields: dict
+    total_bytes: int  # input bytes, for progress
+    blocks: Callable[[], Iterator[tuple[np.ndarray, int]]]  # yields (rows, input bytes consumed)
+    default_name: str
+
+
+def make_dataset(
+    source: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    name: str | None = None,
+    announce_url: str | None = None,
+    web_seed: str | None = None,
+    progress: Progress | None = None,
+    text_field: str = "text",
+    max_bytes: int | None = None,
+) -> DatasetManifest:
+    """Write chunk files, ``manifest.json`` and ``<name>.torrent`` into ``out_dir``; return the manifest."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ConfigError(
+            "chunk_bytes",
+            f"{chunk_bytes} bytes is outside {MIN_CHUNK_BYTES} B..{MAX_CHUNK_BYTES // MiB} MiB; "
+            "choose a chunk size such as 4MiB",
+        )
+    if max_bytes is not None and max_bytes <= 0:
+        raise ConfigError("max_bytes", "must be a positive number of bytes")
+    src = _open_source(str(source), text_field)
+    name = name or (re.sub(r"[^A-Za-z0-9._-]", "-", src.default_name).lstrip("._-")[:64] or "dataset")
+    if not NAME_RE.match(name):
+        raise ConfigError(
+            "name", f"{name!r} is not a data set name; use 1-64 letters, digits, '.', '_' or '-'"
+        )
+    per_chunk = samples_per_chunk(src.dtype, chunk_bytes)
+    if per_chunk < 1:
+        raise DatasetError(
+            f"A chunk of {chunk_bytes} bytes cannot hold one sample of {src.dtype.itemsize} bytes "
+            f"(plus a {header_bytes(src.dtype, 1)}-byte header); use a larger --chunk-size."
+        )
+    out = _prepare_out_dir(Path(out_dir), Path(str(source)))
+    limit_rows = None if max_bytes is None else max(1, max_bytes // src.dtype.itemsize)
+    total = src.total_bytes if max_bytes is None else min(src.total_bytes, max_bytes)
+
+    chunks: list[ChunkInfo] = []
+    pending: list[np.ndarray] = []
+    pending_rows = rows_written = done = 0
+
+    def flush(rows: int) -> None:
+        nonlocal pending, pending_rows
+        data = np.concatenate(pending) if len(pending) > 1 else pending[0]
+        head, rest = data[:rows], data[rows:]
+        blob = encode_chunk(head)
+        fname = chunk_name(len(chunks))
+        (out / fname).write_bytes(blob)
+        chunks.append(
+            ChunkInfo(name=fname, samples=rows, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        )
+        pending = [rest] if len(rest) else []
+        pending_rows = len(rest)
+
+    for rows, consumed in src.blocks():
+        if limit_rows is not None and rows_written + pending_rows + len(rows) > limit_rows:
+            rows = rows[: limit_rows - rows_written - pending_rows]
+        if len(rows):
+            pending.append(rows)
+            pending_rows += len(rows)
+        while pending_rows >= per_chunk:
+            flush(per_chunk)
+            rows_written += per_chunk
+        done = min(total, done + consumed)
+        if progress is not None:
+            progress(done, total)
+        if limit_rows is not None and rows_written + pending_rows >= limit_rows:
+            break
+    if pending_rows:
+        rows_written += pending_rows
+        flush(pending_rows)
+    if not chunks:
+        raise DatasetError(f"Source {source} holds no data (no text, samples or tokens); nothing to make.")
+    if progress is not None:
+        progress(total, total)
+
+    manifest = DatasetManifest(
+        name=name,
+        kind=src.kind,
+        chunk_bytes=chunk_bytes,
+        chunks=chunks,
+        total_samples=rows_written,
+        **src.manifest_fields,
+    )
+    if expected_dtype(manifest) != src.dtype:  # a programming error, not an input error
+        raise RuntimeError(f"chunk dtype {src.dtype} differs from the manifest's {expected_dtype(manifest)}")
+    (out / MANIFEST_NAME).write_bytes(encode(manifest))
+    write_torrent(out, manifest, announce_url=announce_url, web_seed=web_seed)
+    return manifest
+
+
+# ------------------------------------------------------------------ output folder
+
+
+def _prepare_out_dir(out: Path, source: Path) -> Path:
+    """Create ``out`` or clear a previous ``make`` output in it; refuse a folder holding anything else."""
+    if out.exists() and not out.is_dir():
+        raise DatasetError(f"Output {out} exists and is not a folder; choose another --out.")
+    out.mkdir(parents=True, exist_ok=True)
+    ours = re.compile(r"^(chunk-\d{5}\.npy|manifest\.json|.*\.torrent|\.resume)$")
+    foreign = [p.name for p in out.iterdir() if not ours.match(p.name)]
+    if foreign:
+        raise DatasetError(
+            f"Output folder {out} already holds files that are not a data set ({', '.join(sorted(foreign)[:3])}); "
+            "choose an empty or new folder."
+        )
+    try:
+        if source.exists() and source.resolve() == out.resolve():
+            raise DatasetError(f"Output folder {out} is the source itself; choose another --out.")
+    except OSError:
+        pass
+    for p in out.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return out
+
+
+# ------------------------------------------------------------------ sources
+
+
+def _open_source(source: str, text_field: str) -> _Source:
+    if source == STDLIB_SOURCE:
+        return _stdlib_source()
+    if source.startswith("builtin:"):
+        raise DatasetError(f"Unknown built-in source {source!r}; the built-in corpus is {STDLIB_SOURCE!r}.")
+    path = Path(source)
+    if not path.exists():
+        raise DatasetError(
+            f"Source {source} does not exist; give a folder of text files, a .jsonl, .npy or .npz file, "
+            f"or {STDLIB_SOURCE}."
+        )
+    if path.is_dir():
+        files = sorted(
+            (
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+            ),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        return _text_files_source(files, path.name or "dataset", check_utf8=True)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return _jsonl_source(path, text_field)
+    if suffix == ".npy":
+        return _npy_source(path)
+    if suffix == ".npz":
+        return _npz_source(path)
+    raise DatasetError(
+        f"Source {source} is a {suffix or 'suffix-less'} file; crowdtrain reads a folder of text files, "
+        ".jsonl, .npy or .npz."
+    )
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(
+            f"Cannot read {path}: {exc.strerror or exc}; check its permissions or leave it out of the source."
+        ) from None
+
+
+def _byte_source(total: int, default_name: str, docs: Callable[[], Iterator[tuple[bytes, int]]]) -> _Source:
+    def blocks() -> Iterator[tuple[np.ndarray, int]]:
+        for doc, consumed in docs():
+            if doc:
+                yield np.frombuffer(doc + b"\n", dtype=np.uint8), consumed
+            else:
+                yield np.empty(0, np.uint8), consumed
+
+    return _Source(
+        kind="tokens",
+        dtype=np.dtype(np.uint8),
+        manifest_fields={"dtype": "uint8"},
+        total_bytes=total,
+        blocks=blocks,
+        default_name=default_name,
+    )
+
+
+def _text_files_source(files: list[Path], default_name: str, *, check_utf8: bool) -> _Source:
+    sizes = []
+    for p in files:
+        try:
+            sizes.append(p.stat().st_size)
+        except OSError as exc:
+            raise DatasetError(f"Cannot read {p}: {exc.strerror or exc}; check it or leave it out.") from None
+    if not files or sum(sizes) == 0:
+        raise DatasetError(f"Source {default_name} holds no text files with content; nothing to make.")
+
+    def docs() -> Iterator[tuple[bytes, int]]:
+        for p in files:
+            data = _read(p)
+            if check_utf8:
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DatasetError(
+                        f"{p} is not UTF-8 text (byte {exc.start}); convert it or leave it out of the source."
+                    ) from None
+            yield data, len(data)
+
+    return _byte_source(sum(sizes), default_name, docs)
+
+
+def _stdlib_source() -> _Source:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = sorted(
+        (p for p in root.rglob("*.py") if p.is_file() and not skip & set(p.relative_to(root).parts)),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+    if not files:
+        raise DatasetError(f"No .py files found in the standard library folder {root}; use another source.")
+    src = _text_files_source(files, "python-stdlib", check_utf8=False)
+    return src
+
+
+def _jsonl_source(path: Path, text_field: str) -> _Source:
+    try:
+        total = path.stat().st_size
+    except OSError as exc:
+        raise DatasetError(f"Cannot read {path}: {exc.strerror or exc}.") from None
+
+    def docs() -> Iterator[tuple[bytes, int]]:
+        try:
+            f = path.open("rb")
+        except OSError as exc:
+            raise DatasetError(f"Cannot read {path}: {exc.strerror or exc}; check its permissions.") from None
+        with f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    yield b"", len(line)
+                    continue
+                try:
+                    obj = json.loads(line)
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise DatasetError(
+                        f"{path} line {lineno} is not JSON ({exc}); fix or remove that line."
+                    ) from None
+                if not isinstance(obj, dict) or text_field not in obj:
+                    raise DatasetError(
+                        f"{path} line {lineno} has no {text_field!r} field; pass --text-field with the field "
+                        "that holds the text."
+                    )
+                text = obj[text_field]
+                if not isinstance(text, str):
+                    raise DatasetError(f"{path} line {lineno}: field {text_field!r} is not a string.")
+                yield text.encode("utf-8"), len(line)
+
+    return _byte_source(total, path.stem, docs)
+
+
+def _load_npy(path: Path, mmap: bool) -> np.ndarray | np.lib.npyio.NpzFile:
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except OSError as exc:
+        raise DatasetError(f"Cannot read {path}: {exc.strerror or exc}; check its permissions.") from None
+    except ValueError as exc:
+        raise DatasetError(f"{path} is not a NumPy array file crowdtrain can read safely: {exc}.") from None
+
+
+def _little(dtype: np.dtype) -> np.dtype:
+    if dtype.kind not in "biuf":
+        raise DatasetError(f"Array dtype {dtype} is not supported; use booleans, integers or floats.")
+    return dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+
+
+def _rows_blocks(columns: dict[str, np.ndarray], dtype: np.dtype, n: int) -> Callable[[], Iterator]:
+    step = max(1, (16 * MiB) // max(1, dtype.itemsize))
+
+    def blocks() -> Iterator[tuple[np.ndarray, int]]:
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            if dtype.names is None:
+                rows = np.asarray(columns["x"][start:stop], dtype=dtype)
+            else:
+                rows = np.empty(stop - start, dtype=dtype)
+                for key, col in columns.items():
+                    rows[key] = col[start:stop]
+            yield rows, (stop - start) * dtype.itemsize
+
+    return blocks
+
+
+def _npy_source(path: Path) -> _Source:
+    arr = _load_npy(path, mmap=True)
+    if arr.ndim == 0 or len(arr) == 0:
+        raise DatasetError(f"Source {path} holds no samples (shape {arr.shape}); nothing to make.")
+    dt = _little(arr.dtype)
+    if arr.ndim == 1 and dt.kind in "iu":
+        return _Source(
+            kind="tokens",
+            dtype=dt,
+            manifest_fields={"dtype": dt.name},
+            total_bytes=arr.nbytes,
+            blocks=_rows_blocks({"x": arr}, dt, len(arr)),
+            default_name=path.stem,
+        )
+    return _arrays_source(path, arr, None)
+
+
+def _npz_source(path: Path) -> _Source:
+    npz = _load_npy(path, mmap=False)
+    with npz:
+        keys = list(npz.keys())
+        if "x" in keys:
+            x = _npz_array(npz, "x", path)
+            y = _npz_array(npz, "y", path) if "y" in keys else None
+        elif len(keys) == 1:
+            x, y = _npz_array(npz, keys[0], path), None
+        else:
+            raise DatasetError(
+                f"{path} holds arrays {keys[:5]} but no 'x'; save the samples as x (and labels as y)."
+            )
+    if x.ndim == 0 or len(x) == 0:
+        raise DatasetError(f"Source {path} holds no samples (x has shape {x.shape}); nothing to make.")
+    return _arrays_source(path, x, y)
+
+
+def _npz_array(npz, key: str, path: Path) -> np.ndarray:
+    try:
+        return npz[key]
+    except (ValueError, OSError) as exc:
+        raise DatasetError(f"Cannot read array {key!r} from {path}: {exc}.") from None
+
+
+def _arrays_source(path: Path, x: np.ndarray, y: np.ndarray | None) -> _Source:
+    xdt = _little(x.dtype)
+    fields: list[tuple] = [("x", xdt, tuple(x.shape[1:]))]
+    columns = {"x": x}
+    label_dtype = None
+    if y is not None:
+        if y.ndim != 1 or len(y) != len(x):
+            raise DatasetError(
+                f"{path}: y has shape {y.shape} but must hold one label per sample ({len(x)},)."
+            )
+        ydt = _little(y.dtype)
+        fields.append(("y", ydt))
+        columns["y"] = y
+        label_dtype = ydt.name
+    dtype = np.dtype(fields)
+    return _Source(
+        kind="arrays",
+        dtype=dtype,
+        manifest_fields={"dtype": xdt.name, "sample_shape": list(x.shape[1:]), "label_dtype": label_dtype},
+        total_bytes=len(x) * dtype.itemsize,
+        blocks=_rows_blocks(columns, dtype, len(x)),
+        default_name=path.stem,
+    )

@@ -1,0 +1,579 @@
+"""One libtorrent session per process, living beside asyncio: seed data sets, stream them chunk by chunk.
+
+* Alerts are polled off the event loop (``asyncio.to_thread(ses.wait_for_alert, ms)``) by one pump task;
+  its failure is kept and re-raised by :meth:`Download.wait_complete`, :meth:`TorrentSession.close` and
+  every later call, so nobody loses it.
+* A streaming download gives every chunk a priority ≥ 1 (never 0: a torrent with unwanted files becomes
+  "finished" and drops its seeds) in a per-peer random order: the first six chunks of a seeded shuffle get
+  priorities 7..2, the rest 1, so the swarm holds different chunks at once.
+* A chunk is announced (:class:`ChunkReady`) only after libtorrent reported the file complete, the disk
+  cache was flushed (reading at ``file_completed_alert`` time returned stale blocks on this machine) and
+  its sha256 matched the manifest. A periodic scan of ``file_progress`` catches completions whose alerts
+  were dropped.
+* Restart: resume data is saved on close into ``<data_dir>/.resume-<infohash>``; without it libtorrent
+  re-checks the files on disk. Either way complete chunks are verified and announced without download.
+* Loopback settings follow shared/notes/libtorrent.md (TCP only, several connections per IP, no DHT/LSD/
+  UPnP, short announce intervals, rate limits applied to local peers when configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import libtorrent as lt
+from crowdtrain.datasets.chunks import sha256_file
+from crowdtrain.datasets.torrent import check_torrent_matches, infohash_of, read_manifest
+from crowdtrain.protocol.errors import ConfigError, DatasetError
+from crowdtrain.protocol.messages import DatasetManifest
+
+log = logging.getLogger(__name__)
+
+RESUME_PREFIX = ".resume-"
+PRIORITY_TIERS = (7, 6, 5, 4, 3, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReady:
+    """A chunk's file is complete on disk and matched the manifest's sha256."""
+
+    index: int
+    name: str
+    samples: int
+    held: int = 0  # chunks verified so far, this one included
+    total: int = 0  # chunks in the data set
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    listen: str = "127.0.0.1:0"  # host:port; port 0 = any free port
+    upload_rate_limit: int = 0  # bytes/s for the whole session, 0 = unlimited
+    download_rate_limit: int = 0
+    limit_local_peers: bool = True  # apply the rate limits to peers on loopback/LAN too
+    min_announce_interval_s: int = 5
+    alert_poll_ms: int = 200
+    scan_interval_s: float = 1.0  # how often file progress and per-peer stats are polled
+    check_timeout_s: float = 300.0  # adding a torrent and checking the files on disk
+    close_timeout_s: float = 10.0  # saving resume data on close
+
+    def __post_init__(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError("listen", f"{self.listen!r} is not host:port (e.g. 127.0.0.1:0)")
+        for name in ("upload_rate_limit", "download_rate_limit"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, "must be ≥ 0 bytes/s (0 = unlimited)")
+        if self.min_announce_interval_s < 1:
+            raise ConfigError("min_announce_interval_s", "must be at least 1 s")
+        if not 10 <= self.alert_poll_ms <= 5000:
+            raise ConfigError("alert_poll_ms", "must be between 10 and 5000 ms")
+        for name in ("scan_interval_s", "check_timeout_s", "close_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be a positive number of seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmStats:
+    """What the view shows about one torrent."""
+
+    chunks_held: int
+    chunks_total: int
+    download_rate: float  # payload bytes/s
+    upload_rate: float
+    peers: int
+    seeds: int
+    downloaded: int  # payload bytes since this session added the torrent
+    uploaded: int
+    progress: float  # 0..1, libtorrent's view of the bytes held
+    hash_failures: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerTotals:
+    """Payload bytes exchanged with one remote session (identified by its peer-id prefix)."""
+
+    fingerprint: str
+    downloaded: int  # bytes we got from it
+    uploaded: int  # bytes we sent it
+
+
+def _settings(cfg: SessionConfig, fingerprint: str) -> dict:
+    mask = (
+        lt.alert_category.error
+        | lt.alert_category.status
+        | lt.alert_category.storage
+        | lt.alert_category.tracker
+        | lt.alert_category.file_progress
+    )
+    return {
+        "listen_interfaces": cfg.listen,
+        "outgoing_interfaces": "",
+        "enable_dht": False,
+        "enable_lsd": False,
+        "enable_upnp": False,
+        "enable_natpmp": False,
+        "enable_outgoing_utp": False,
+        "enable_incoming_utp": False,
+        "allow_multiple_connections_per_ip": True,
+        "alert_mask": int(mask),
+        "alert_queue_size": 10000,
+        "min_announce_interval": cfg.min_announce_interval_s,
+        "tracker_backoff": 50,
+        "tick_interval": 100,
+        "stop_tracker_timeout": 1,  # seconds the shutdown waits for "stopped" announces
+        "initial_picker_threshold": 0,
+        "ignore_limits_on_local_network": not cfg.limit_local_peers,
+        "upload_rate_limit": cfg.upload_rate_limit,
+        "download_rate_limit": cfg.download_rate_limit,
+        "peer_fingerprint": fingerprint,
+        "user_agent": "crowdtrain",
+        "validate_https_trackers": True,
+    }
+
+
+class Download:
+    """One torrent in the session: its chunks' state, stats and per-peer totals."""
+
+    def __init__(
+        self,
+        handle: lt.torrent_handle,
+        infohash: str,
+        manifest: DatasetManifest,
+        data_dir: Path,
+        on_chunk: Callable[[ChunkReady], None] | None,
+    ) -> None:
+        self.handle = handle
+        self.infohash = infohash
+        self.manifest = manifest
+        self.data_dir = data_dir
+        self._on_chunk = on_chunk
+        self.verified: set[int] = set()
+        self.hash_failures = 0
+        self.verify_failures = 0
+        self._awaiting_flush: set[int] = set()
+        self._verify_lock = asyncio.Lock()
+        self._checked = asyncio.Event()
+        self._complete = asyncio.Event()
+        self._peer_bytes: dict[tuple[str, str], tuple[int, int]] = {}
+        self._resume: asyncio.Future[bytes | None] | None = None
+        self.error: str | None = None
+
+    # -------------------------------------------------------------- views
+
+    @property
+    def chunks_total(self) -> int:
+        return len(self.manifest.chunks)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.verified) == self.chunks_total
+
+    def stats(self) -> SwarmStats:
+        st = self.handle.status()
+        return SwarmStats(
+            chunks_held=len(self.verified),
+            chunks_total=self.chunks_total,
+            download_rate=float(st.download_payload_rate),
+            upload_rate=float(st.upload_payload_rate),
+            peers=int(st.num_peers),
+            seeds=int(st.num_seeds),
+            downloaded=int(st.total_payload_download),
+            uploaded=int(st.total_payload_upload),
+            progress=float(st.progress),
+            hash_failures=self.hash_failures,
+        )
+
+    def peer_totals(self) -> dict[str, PeerTotals]:
+        """Bytes exchanged per remote session, summed over connections, as last polled (and now)."""
+        self._poll_peers()
+        sums: dict[str, list[int]] = {}
+        for (fp, _), (down, up) in self._peer_bytes.items():
+            acc = sums.setdefault(fp, [0, 0])
+            acc[0] += down
+            acc[1] += up
+        return {fp: PeerTotals(fp, d, u) for fp, (d, u) in sums.items()}
+
+    async def wait_checked(self) -> None:
+        await self._checked.wait()
+
+    async def wait_complete(self) -> None:
+        """Return once every chunk is verified (the caller bounds this with its own timeout)."""
+        await self._complete.wait()
+
+    # -------------------------------------------------------------- internals
+
+    def _poll_peers(self) -> None:
+        try:
+            peers = self.handle.get_peer_info()
+        except RuntimeError:
+            return
+        for p in peers:
+            fp = _fingerprint_of(p.pid)
+            key = (fp, f"{p.ip[0]}:{p.ip[1]}")
+            old = self._peer_bytes.get(key, (0, 0))
+            self._peer_bytes[key] = (max(old[0], int(p.total_download)), max(old[1], int(p.total_upload)))
+
+    def _complete_files(self) -> set[int]:
+        progress = self.handle.file_progress(lt.torrent_handle.piece_granularity)
+        return {i for i, c in enumerate(self.manifest.chunks) if i < len(progress) and progress[i] == c.bytes}
+
+
+def _fingerprint_of(pid: object) -> str:
+    raw = bytes(pid.to_bytes()) if hasattr(pid, "to_bytes") else bytes.fromhex(str(pid))
+    return raw[:10].decode("ascii", "replace")
+
+
+class TorrentSession:
+    """The process's libtorrent session. Use ``async with TorrentSession(cfg) as ses`` or call
+    :meth:`start` and :meth:`close`."""
+
+    def __init__(self, config: SessionConfig | None = None) -> None:
+        self.config = config or SessionConfig()
+        self.fingerprint = f"-CT{secrets.token_hex(3)}-"  # 10 bytes: the prefix of our peer-id
+        self._ses: lt.session | None = None
+        self._downloads: dict[str, Download] = {}
+        self._pump: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._closing = False
+
+    # -------------------------------------------------------------- lifecycle
+
+    async def start(self) -> TorrentSession:
+        if self._ses is None:
+            self._ses = await asyncio.to_thread(lt.session, _settings(self.config, self.fingerprint))
+            self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="libtorrent-alerts")
+            self._pump.add_done_callback(self._pump_done)
+        return self
+
+    async def __aenter__(self) -> TorrentSession:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def listen_port(self) -> int:
+        return self._session().listen_port()
+
+    @property
+    def downloads(self) -> list[Download]:
+        return list(self._downloads.values())
+
+    def stats(self) -> SwarmStats:
+        """The view's numbers, summed over this session's torrents (a volunteer has one)."""
+        parts = [d.stats() for d in self._downloads.values() if d.handle is not None]
+        return SwarmStats(
+            chunks_held=sum(p.chunks_held for p in parts),
+            chunks_total=sum(p.chunks_total for p in parts),
+            download_rate=sum(p.download_rate for p in parts),
+            upload_rate=sum(p.upload_rate for p in parts),
+            peers=sum(p.peers for p in parts),
+            seeds=sum(p.seeds for p in parts),
+            downloaded=sum(p.downloaded for p in parts),
+            uploaded=sum(p.uploaded for p in parts),
+            progress=min((p.progress for p in parts), default=0.0),
+            hash_failures=sum(p.hash_failures for p in parts),
+        )
+
+    def _session(self) -> lt.session:
+        self._raise_failure()
+        if self._ses is None:
+            raise RuntimeError("TorrentSession used before start() or after close()")
+        return self._ses
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise DatasetError(f"The BitTorrent session failed: {self._failure}") from self._failure
+
+    def _pump_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+            log.error("libtorrent alert loop failed", exc_info=self._failure)
+            for d in self._downloads.values():  # wake waiters so they see the failure
+                d._complete.set()
+                d._checked.set()
+
+    async def close(self) -> None:
+        """Save resume data of unfinished downloads, stop the alert loop, shut libtorrent down."""
+        if self._ses is None:
+            return
+        try:
+            if self._failure is None:
+                await self._save_all_resume()
+        finally:
+            self._closing = True
+            if self._pump is not None:
+                # let the pump leave on its own: a cancelled pump would leave its `wait_for_alert` thread
+                # holding the session, which then dies later, behind our back, instead of below
+                done, _ = await asyncio.wait({self._pump}, timeout=5 + self.config.alert_poll_ms / 1000)
+                if not done:
+                    self._pump.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._pump
+            holder, self._ses = [self._ses], None
+            self._downloads.clear()
+            # the last reference goes away in the worker thread: libtorrent's destructor blocks while it
+            # sends the "stopped" announces, which a tracker on this very event loop must be free to answer
+            await asyncio.to_thread(_shutdown, holder)
+        self._raise_failure()
+
+    # -------------------------------------------------------------- adding torrents
+
+    async def seed(
+        self,
+        data_dir: str | os.PathLike,
+        torrent_bytes: bytes,
+        *,
+        manifest: DatasetManifest | None = None,
+        require_complete: bool = True,
+    ) -> Download:
+        """Seed the data set in ``data_dir`` (a folder made by ``dataset make`` or fully downloaded).
+
+        libtorrent checks every piece on disk first; with ``require_complete`` a folder that is not whole
+        is refused with a sentence naming how much is missing.
+        """
+        data_dir = Path(data_dir)
+        manifest = manifest or read_manifest(data_dir / "manifest.json")
+        dl = await self._add(data_dir, torrent_bytes, manifest, None, priorities=None)
+        if require_complete and not dl.complete:
+            st = dl.handle.status()
+            missing = dl.chunks_total - len(dl.verified)
+            raise DatasetError(
+                f"{data_dir} holds {st.progress:.0%} of data set {manifest.name!r} ({missing} chunk(s) missing "
+                "or damaged); run `dataset make` again or download it before seeding."
+            )
+        return dl
+
+    async def stream(
+        self,
+        torrent_bytes: bytes,
+        data_dir: str | os.PathLike,
+        manifest: DatasetManifest,
+        *,
+        seed: int,
+        on_chunk: Callable[[ChunkReady], None] | None = None,
+    ) -> Download:
+        """Start downloading into ``data_dir`` in a random chunk order drawn from ``seed``.
+
+        Returns once the torrent is added and the files already on disk are checked; ``on_chunk`` is
+        called (on the event loop) for every chunk verified from then on, including chunks found complete
+        on disk. The torrent keeps seeding after it is complete.
+        """
+        n = len(manifest.chunks)
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        prio = [1] * (n + 1)  # + manifest.json
+        for rank, index in enumerate(order[: len(PRIORITY_TIERS)]):
+            prio[index] = PRIORITY_TIERS[rank]
+        return await self._add(Path(data_dir), torrent_bytes, manifest, on_chunk, priorities=prio)
+
+    async def _add(
+        self,
+        data_dir: Path,
+        torrent_bytes: bytes,
+        manifest: DatasetManifest,
+        on_chunk: Callable[[ChunkReady], None] | None,
+        *,
+        priorities: list[int] | None,
+    ) -> Download:
+        ses = self._session()
+        ti = check_torrent_matches(torrent_bytes, manifest)
+        infohash = infohash_of(torrent_bytes)
+        if infohash in self._downloads:
+            raise DatasetError(f"Data set {manifest.name!r} ({infohash}) is already in this session.")
+        await asyncio.to_thread(data_dir.mkdir, parents=True, exist_ok=True)
+        atp = await asyncio.to_thread(_resume_params, data_dir, infohash)
+        atp.ti = ti
+        atp.save_path = str(data_dir)
+        fs = ti.layout()
+        atp.renamed_files = {i: os.path.basename(fs.file_path(i)) for i in range(fs.num_files())}
+        if priorities is not None:
+            atp.file_priorities = priorities
+        # not auto-managed: libtorrent's queue must never pause a data set the volunteer trains on
+        atp.flags &= ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused | lt.torrent_flags.seed_mode)
+        dl = Download(None, infohash, manifest, data_dir, on_chunk)  # type: ignore[arg-type]
+        self._downloads[infohash] = dl
+        try:
+            dl.handle = ses.add_torrent(atp)
+            if priorities is not None:  # resume data may carry other priorities
+                dl.handle.prioritize_files(priorities)
+            async with asyncio.timeout(self.config.check_timeout_s):
+                await dl.wait_checked()
+            self._raise_failure()
+            if dl.error:
+                raise DatasetError(f"libtorrent could not use {data_dir}: {dl.error}")
+            await self._verify(dl, dl._complete_files())
+        except TimeoutError:
+            self._downloads.pop(infohash, None)
+            raise DatasetError(
+                f"Checking the files of {manifest.name!r} in {data_dir} took more than "
+                f"{self.config.check_timeout_s:.0f} s; is the disk very slow?"
+            ) from None
+        except BaseException:
+            self._downloads.pop(infohash, None)
+            if dl.handle is not None:
+                with contextlib.suppress(RuntimeError):
+                    ses.remove_torrent(dl.handle)
+            raise
+        return dl
+
+    def connect_peer(self, download: Download, port: int, host: str = "127.0.0.1") -> None:
+        """Tell libtorrent about a peer directly (tests and trackerless use)."""
+        download.handle.connect_peer((host, port))
+
+    # -------------------------------------------------------------- alert loop
+
+    async def _run_pump(self) -> None:
+        ses = self._ses
+        assert ses is not None
+        next_scan = time.monotonic() + self.config.scan_interval_s
+        while not self._closing:
+            await asyncio.to_thread(ses.wait_for_alert, self.config.alert_poll_ms)
+            for alert in ses.pop_alerts():
+                await self._dispatch(alert)
+            if time.monotonic() >= next_scan:
+                next_scan = time.monotonic() + self.config.scan_interval_s
+                for dl in list(self._downloads.values()):
+                    if not dl._checked.is_set():
+                        continue
+                    dl._poll_peers()
+                    missed = dl._complete_files() - dl.verified - dl._awaiting_flush
+                    if missed:
+                        dl._awaiting_flush |= missed
+                        dl.handle.flush_cache()
+
+    def _download_of(self, alert: lt.alert) -> Download | None:
+        handle = getattr(alert, "handle", None)
+        if handle is None:
+            return None
+        try:
+            return self._downloads.get(str(handle.info_hashes().v1))
+        except RuntimeError:
+            return None
+
+    async def _dispatch(self, alert: lt.alert) -> None:
+        if isinstance(alert, lt.alerts_dropped_alert):
+            log.warning("libtorrent dropped alerts; a file-progress scan will catch up")
+            return
+        dl = self._download_of(alert)
+        if dl is None:
+            return
+        if isinstance(alert, lt.torrent_checked_alert):
+            dl._checked.set()
+        elif isinstance(alert, lt.file_completed_alert):
+            if alert.index < dl.chunks_total and alert.index not in dl.verified:
+                dl._awaiting_flush.add(alert.index)
+                dl.handle.flush_cache()
+        elif isinstance(alert, lt.cache_flushed_alert):
+            pending, dl._awaiting_flush = dl._awaiting_flush, set()
+            await self._verify(dl, pending)
+        elif isinstance(alert, lt.hash_failed_alert):
+            dl.hash_failures += 1
+            log.info(
+                "piece %d of %s failed its hash check and will be fetched again",
+                alert.piece_index,
+                dl.manifest.name,
+            )
+        elif isinstance(alert, lt.save_resume_data_alert):
+            if dl._resume is not None and not dl._resume.done():
+                dl._resume.set_result(bytes(lt.write_resume_data_buf(alert.params)))
+        elif isinstance(alert, lt.save_resume_data_failed_alert):
+            if dl._resume is not None and not dl._resume.done():
+                dl._resume.set_result(None)
+        elif isinstance(alert, (lt.torrent_error_alert, lt.file_error_alert)):
+            dl.error = alert.message()
+            log.error("%s: %s", dl.manifest.name, dl.error)
+            dl._checked.set()
+        elif isinstance(alert, lt.tracker_error_alert):
+            log.warning("tracker: %s", alert.message())
+
+    async def _verify(self, dl: Download, indices: set[int]) -> None:
+        """Hash the given complete files against the manifest; announce each that matches."""
+        # the pump and `_add` may both verify one download: the lock makes the later caller find the
+        # earlier one's results (so a chunk is announced once, and `_add` returns with all of them known)
+        async with dl._verify_lock:
+            for index in sorted(indices - dl.verified):
+                await self._verify_one(dl, index)
+        if dl.complete:
+            dl._complete.set()
+
+    async def _verify_one(self, dl: Download, index: int) -> None:
+        if index in dl.verified:
+            return
+        info = dl.manifest.chunks[index]
+        path = dl.data_dir / info.name
+        try:
+            digest = await asyncio.to_thread(sha256_file, path)
+        except OSError as exc:
+            digest = f"unreadable: {exc}"
+        if digest != info.sha256:
+            # libtorrent said the file is complete, so its pieces passed SHA-1; a sha256 mismatch means
+            # the data set's torrent and manifest disagree or the disk changed under us.
+            dl.verify_failures += 1
+            log.warning("chunk %s does not match the manifest's sha256; re-checking it", info.name)
+            if dl.verify_failures <= 3:
+                dl.handle.force_recheck()
+            return
+        dl.verified.add(index)
+        if dl._on_chunk is not None:
+            dl._on_chunk(
+                ChunkReady(
+                    index=index,
+                    name=info.name,
+                    samples=info.samples,
+                    held=len(dl.verified),
+                    total=dl.chunks_total,
+                )
+            )
+
+    # -------------------------------------------------------------- resume data
+
+    async def _save_all_resume(self) -> None:
+        loop = asyncio.get_running_loop()
+        waits = []
+        for dl in self._downloads.values():
+            if dl.handle is None or not dl.handle.is_valid():
+                continue
+            dl._resume = loop.create_future()
+            dl.handle.save_resume_data(lt.torrent_handle.flush_disk_cache | lt.torrent_handle.save_info_dict)
+            waits.append(dl)
+        for dl in waits:
+            try:
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    data = await dl._resume  # type: ignore[misc]
+            except TimeoutError:
+                log.warning(
+                    "saving resume data of %s timed out; the next start re-checks its files", dl.manifest.name
+                )
+                continue
+            if data:
+                path = dl.data_dir / f"{RESUME_PREFIX}{dl.infohash}"
+                tmp = path.with_suffix(".tmp")
+                await asyncio.to_thread(tmp.write_bytes, data)
+                await asyncio.to_thread(os.replace, tmp, path)
+
+
+def _resume_params(data_dir: Path, infohash: str) -> lt.add_torrent_params:
+    path = data_dir / f"{RESUME_PREFIX}{infohash}"
+    if path.is_file() and path.stat().st_size <= (16 << 20):
+        try:
+            atp = lt.read_resume_data(path.read_bytes())
+            if str(atp.info_hashes.v1) == infohash:
+                return atp
+            log.warning("resume data in %s is for another torrent; checking the files instead", path)
+        except (RuntimeError, OSError) as exc:
+            log.warning("resume data in %s is unusable (%s); checking the files instead", path, exc)
+    return lt.add_torrent_params()
+
+
+def _shutdown(holder: list[lt.session]) -> None:
+    ses = holder.pop()
+    del ses  # the destructor waits for libtorrent's threads and the stop announces

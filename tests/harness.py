@@ -1,0 +1,88 @@
+"""A published run on loopback, for the volunteer-level tests: a real tracker, a data set cut from the
+built-in corpus, a real libtorrent seeder, and a run created through the tracker's API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crowdtrain.datasets.make import make_dataset
+from crowdtrain.datasets.session import SessionConfig, TorrentSession
+from crowdtrain.protocol.messages import DatasetManifest, RunSpec
+from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.server import serve
+
+from crowdtrain.publisher import build_run_create
+
+TINY_GPT = {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}
+
+
+@dataclass
+class Published:
+    tracker: Any  # the running tracker: .url, .announce_url, .admin_token
+    spec: RunSpec
+    data_dir: Path
+    manifest: DatasetManifest
+    seeder: TorrentSession
+
+
+@contextlib.asynccontextmanager
+async def published_run(
+    tmp_path: Path,
+    *,
+    model: dict[str, Any] | None = None,
+    averaging: dict[str, Any] | None = None,
+    tracker: dict[str, Any] | None = None,
+    target_batch_size: int = 48,
+    micro_batch_size: int = 8,
+    optimizer: dict[str, Any] | None = None,
+    max_bytes: int = 512 * 1024,
+    chunk_bytes: int = 64 * 1024,
+    seeder_rate: int = 0,
+    db: str = ":memory:",
+) -> AsyncIterator[Published]:
+    config = TrackerConfig(db=db, heartbeat_interval_s=0.2, peer_ttl_s=10.0, **(tracker or {}))
+    async with serve(config) as running:
+        data = tmp_path / "dataset"
+        manifest = await asyncio.to_thread(
+            make_dataset,
+            "builtin:stdlib",
+            data,
+            chunk_bytes=chunk_bytes,
+            name="stdlib-test",
+            announce_url=running.announce_url,
+            max_bytes=max_bytes,
+        )
+        create = await asyncio.to_thread(
+            build_run_create,
+            data,
+            name="test-run",
+            model=model or {"recipe": "tiny-gpt", "args": TINY_GPT},
+            target_batch_size=target_batch_size,
+            micro_batch_size=micro_batch_size,
+            optimizer=optimizer or {"name": "adamw", "lr": 3e-3},
+            schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
+            averaging={
+                "group_size": 4,
+                "codec": "none",
+                "gather_s": 3.0,
+                "round_timeout_s": 20.0,
+                "step_timeout_s": 30.0,
+                "average_state_every": 0,
+                **(averaging or {}),
+            },
+        )
+        async with TrackerClient(running.url, admin_token=running.admin_token) as client:
+            spec = (await client.create_run(create)).spec
+        seeder = TorrentSession(SessionConfig(upload_rate_limit=seeder_rate))
+        await seeder.start()
+        try:
+            await seeder.seed(data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest)
+            yield Published(running, spec, data, manifest, seeder)
+        finally:
+            await seeder.close()

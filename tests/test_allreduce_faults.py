@@ -1,0 +1,324 @@
+"""Group all-reduce under faults, over real servers: late and dead peers, and every check on a contribution.
+
+Bad contributions are sent as real signed HTTP requests built from the protocol's own pieces (frames,
+peer headers), the way a broken or hostile peer would send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+from crowdtrain.protocol import peerauth
+from crowdtrain.protocol.codecs import Codec, Compressor
+from crowdtrain.protocol.credentials import SigningKey, issue_credential
+from crowdtrain.protocol.errors import AveragingError
+from crowdtrain.protocol.frames import encode_frame
+from crowdtrain.protocol.messages import replace
+from crowdtrain.volunteer.averaging import AveragingConfig, part_bounds
+from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
+from crowdtrain.volunteer.events import RoundDone, RoundFailed
+from test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
+
+N = 3000
+
+
+def frames(values: np.ndarray, per: int = 1000) -> list[bytes]:
+    c = Compressor()
+    return [encode_frame(values[a : a + per], Codec.NONE, c) for a in range(0, values.size, per)]
+
+
+async def post_part(
+    peer: Peer,
+    owner: Peer,
+    assignment,
+    part: int,
+    body,
+    *,
+    weight: str,
+    elements: str,
+    sign_with: SigningKey | None = None,
+    credential=None,
+) -> tuple[int, str]:
+    """POST one copy of a part the way a peer would, returning (status, error sentence)."""
+    key = f"{assignment.round_id}/grad"
+    credential = credential or peer.averager.credential
+    headers = peerauth.sign_headers(
+        sign_with or peer.key, credential, "allreduce", key, part, weight, elements
+    )
+    headers |= {HEADER_WEIGHT: weight, HEADER_ELEMENTS: elements}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"http://{owner.address}/v1/allreduce/{key}/{part}", data=body, headers=headers) as resp,
+    ):
+        if resp.status == 200:
+            await resp.read()
+            return 200, ""
+        return resp.status, (await resp.json())["error"]
+
+
+@pytest.fixture
+async def trio():
+    """A (owns the only part), H (client mode, honest) and M (client mode, misbehaving)."""
+    config = AveragingConfig(subframe_elements=1000)
+    a = await start_peer("a", config)
+    h = await start_peer("h", config, serve=False)
+    m = await start_peer("m", config, serve=False)
+    yield a, h, m
+    for p in (a, h, m):
+        await p.stop()
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "phrase"),
+    [
+        ("nan", 422, "NaN"),
+        ("infinite", 422, "infinite"),
+        ("short", 422, "sends 2999 values but part 0 holds 3000"),
+        ("shape", 400, "expected one dimension"),
+        ("too_many_values", 400, "body continues after the 3000 values"),
+        ("weight_above", 422, "above the 4 samples"),
+        ("wrong_codec", 400, "codec fp16"),
+    ],
+)
+async def test_bad_contribution_is_rejected_with_its_status_and_left_out_of_the_mean(
+    trio, case, status, phrase
+):
+    a, h, m = trio
+    rng = np.random.default_rng(5)
+    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
+    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+    weight, elements, body = "4.0", str(N), b"".join(frames(vm))
+    if case == "nan":
+        vm[1234] = np.nan
+        body = b"".join(frames(vm))
+    elif case == "infinite":
+        vm[2999] = np.inf
+        body = b"".join(frames(vm))
+    elif case == "short":
+        elements, body = str(N - 1), b"".join(frames(vm[:-1]))
+    elif case == "shape":
+        body = encode_frame(vm.reshape(3, 1000)[:1].reshape(1, 1000), Codec.NONE, Compressor()) + body[1096:]
+    elif case == "too_many_values":
+        body = body + frames(vm[:5])[0]
+    elif case == "weight_above":
+        weight = "5.0"
+    elif case == "wrong_codec":
+        body = encode_frame(vm, Codec.FP16, Compressor())
+    got, text = await post_part(m, a, assignment, 0, body, weight=weight, elements=elements)
+    assert (got, phrase in text) == (status, True), text
+    honest = await h.averager.allreduce(assignment, vh, 2.0)
+    result = await owner
+    assert result.rejected == ("m",) and result.dropped == () and result.clipped == ()
+    np.testing.assert_allclose(result.values, weighted_mean([va, vh], [3, 2]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(honest.values, result.values)
+    assert result.reasons["m"]
+    # the refused peer may not try again in the same round
+    again, _ = await post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
+    assert again in (409, 410)
+
+
+async def test_duplicate_contribution_gets_409_and_the_first_one_counts(trio):
+    a, h, m = trio
+    rng = np.random.default_rng(6)
+    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
+    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+    first = asyncio.create_task(
+        post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
+    )
+    await asyncio.sleep(0)  # let the first request start; the second must still meet it whatever the order
+    while not first.done():
+        status, text = await post_part(
+            m, a, assignment, 0, b"".join(frames(vm * 2)), weight="4.0", elements=str(N)
+        )
+        if status == 409:
+            break
+    assert status == 409 and "already sent" in text
+    await h.averager.allreduce(assignment, vh, 2.0)
+    result = await owner
+    assert (await first)[0] == 200
+    np.testing.assert_allclose(result.values, weighted_mean([va, vh, vm], [3, 2, 4]), rtol=1e-6, atol=1e-6)
+    assert result.rejected == ()
+
+
+@pytest.mark.parametrize("case", ["non_member", "bad_signature", "foreign_tracker", "no_headers"])
+async def test_outsiders_are_refused_and_change_nothing(trio, case):
+    a, h, m = trio
+    rng = np.random.default_rng(7)
+    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    assignment = assign([a, h], [3, 2], [0, -1])
+    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+    body = b"".join(frames(vm * 1000))
+    if case == "non_member":  # a real run member, with a valid credential, but not in this group
+        status, text = await post_part(m, a, assignment, 0, body, weight="1.0", elements=str(N))
+        assert (status, "not a member" in text) == (403, True), text
+    elif case == "bad_signature":  # h's credential, signed with someone else's key
+        status, text = await post_part(
+            h, a, assignment, 0, body, weight="1.0", elements=str(N), sign_with=m.key
+        )
+        assert (status, "invalid signature" in text) == (401, True), text
+    elif case == "foreign_tracker":
+        other = issue_credential(SigningKey(), RUN, "h", h.key.public_hex, 60)
+        status, text = await post_part(
+            h, a, assignment, 0, body, weight="1.0", elements=str(N), credential=other
+        )
+        assert (status, "credential" in text) == (401, True), text
+    else:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"http://{a.address}/v1/allreduce/{assignment.round_id}/grad/0", data=body) as r,
+        ):
+            assert r.status == 401
+    await h.averager.allreduce(assignment, vh, 2.0)
+    result = await owner
+    assert result.rejected == () and result.dropped == ()
+    np.testing.assert_allclose(result.values, weighted_mean([va, vh], [3, 2]), rtol=1e-6, atol=1e-6)
+
+
+async def test_huge_gradient_is_clipped_to_the_median_bound_and_reported():
+    config = AveragingConfig(clip_multiple=5.0)
+    peers = await start_peers(4, config)
+    try:
+        rng = np.random.default_rng(8)
+        vectors = [rng.standard_normal(10_000).astype(np.float32) for _ in peers]
+        vectors[2] *= 1e6
+        weights = [1, 1, 1, 1]
+        results = await run_round(peers, assign(peers, weights), vectors, weights)
+        bounds = part_bounds(10_000, 4)
+        expected = np.empty(10_000)
+        for a, b in bounds:
+            norms = sorted(float(np.linalg.norm(v[a:b])) for v in vectors)
+            bound = 5.0 * norms[1]  # the lower median of four
+            scaled = [v[a:b] * min(1.0, bound / np.linalg.norm(v[a:b])) for v in vectors]
+            expected[a:b] = weighted_mean(scaled, weights)
+        for r in results:
+            assert r.clipped == ("p2",)  # every part owner saw it
+            assert np.isfinite(r.values).all()
+            np.testing.assert_allclose(r.values, expected, rtol=1e-5, atol=1e-5)
+            assert np.abs(r.values).max() < 50  # the 1e6 spike did not get through
+        done = [e for e in peers[0].events if isinstance(e, RoundDone)]
+        assert done[-1].clipped == ("p2",)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+# ------------------------------------------------------------------ late and dead peers
+
+
+async def test_late_sender_is_dropped_without_blocking_and_refused_afterwards():
+    config = AveragingConfig(subframe_elements=500)
+    a, b = await start_peers(2, config)
+    late = await start_peer("late", config, serve=False)
+    try:
+        rng = np.random.default_rng(9)
+        va, vb, vl = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+        assignment = assign([a, b, late], [1, 2, 3], [0, 1, -1], deadline_s=1.5)
+        start, stop = part_bounds(N, 2)[0]  # a owns part 0
+        chunks = frames(vl[start:stop], 500)
+
+        async def stalling_body():  # the first sub-frame arrives in time, the rest after the deadline
+            yield chunks[0]
+            await asyncio.sleep(assignment.deadline - time.time() + 1.0)
+            for c in chunks[1:]:
+                yield c
+
+        stalled = asyncio.create_task(
+            post_part(late, a, assignment, 0, stalling_body(), weight="3.0", elements=str(stop - start))
+        )
+        ra, rb = await run_round([a, b], assignment, [va, vb], [1, 2])
+        for r in (ra, rb):
+            assert r.dropped == ("late",) and r.failed_parts == ()
+            np.testing.assert_allclose(r.values, weighted_mean([va, vb], [1, 2]), rtol=1e-6, atol=1e-6)
+        assert time.time() < assignment.deadline + config.grace_s
+        status, text = await stalled
+        assert status == 408 and "deadline" in text
+        # after the deadline: its own call refuses to start, and a raw copy is told the round is over
+        with pytest.raises(AveragingError, match="deadline"):
+            await late.averager.allreduce(assignment, vl, 3.0)
+        assert isinstance(late.events[-1], RoundFailed)
+        status, text = await post_part(
+            late, b, assignment, 1, b"".join(frames(vl[stop:], 500)), weight="3.0", elements=str(N - stop)
+        )
+        assert status == 410 and "over" in text
+    finally:
+        for p in (a, b, late):
+            await p.stop()
+
+
+@pytest.mark.parametrize("how", ["server_stopped", "never_called"])
+async def test_dead_part_owner_makes_senders_keep_local_values(how):
+    config = AveragingConfig(assignment_wait_s=0.5, connect_timeout_s=1.0)
+    peers = await start_peers(3, config)
+    try:
+        rng = np.random.default_rng(10)
+        vectors = [rng.standard_normal(N).astype(np.float32) for _ in peers]
+        weights = [1, 1, 1]
+        assignment = assign(peers, weights, deadline_s=2.0)
+        if how == "server_stopped":
+            await peers[2].stop()
+        live = peers[:2]
+        results = await run_round(live, assignment, vectors[:2], weights[:2])
+        bounds = part_bounds(N, 3)
+        mean2 = weighted_mean(vectors[:2], [1, 1])
+        for r, own in zip(results, vectors[:2], strict=True):
+            assert r.failed_parts == (2,)
+            assert "p2" in r.reasons["part 2"]
+            a, b = bounds[2]
+            np.testing.assert_array_equal(r.values[a:b], own[a:b])
+            np.testing.assert_allclose(r.values[: bounds[1][1]], mean2[: bounds[1][1]], rtol=1e-6, atol=1e-6)
+            assert r.dropped == ("p2",)
+        done = [e for e in peers[0].events if isinstance(e, RoundDone)]
+        assert done[-1].failed_parts == (2,) and done[-1].dropped == ("p2",)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_invalid_assignment_fails_the_round_with_a_sentence():
+    config = AveragingConfig()
+    (p,) = await start_peers(1, config)
+    try:
+        good = assign([p], [1])
+        forged = replace(good, deadline=good.deadline + 100)
+        with pytest.raises(AveragingError, match="not the tracker's"):
+            await p.averager.allreduce(forged, np.zeros(10, np.float32), 1.0)
+        with pytest.raises(AveragingError, match=r"weight 2\.0 must be between 0 and the assigned 1"):
+            await p.averager.allreduce(good, np.zeros(10, np.float32), 2.0)
+        with pytest.raises(AveragingError, match="flat float32"):
+            await p.averager.allreduce(good, np.zeros(10, np.float64), 1.0)
+        assert [type(e) for e in p.events] == [RoundFailed] * 3
+        result = await p.averager.allreduce(good, np.arange(10, dtype=np.float32), 1.0)
+        np.testing.assert_array_equal(result.values, np.arange(10, dtype=np.float32))
+        with pytest.raises(AveragingError, match="already run"):
+            await p.averager.allreduce(good, np.zeros(10, np.float32), 1.0)
+    finally:
+        await p.stop()
+
+
+async def test_abandoned_round_answers_waiting_senders_at_once(trio):
+    a, h, m = trio
+    rng = np.random.default_rng(11)
+    va, vh = (rng.standard_normal(N).astype(np.float32) for _ in range(2))
+    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1], deadline_s=60.0)
+    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+    sender = asyncio.create_task(h.averager.allreduce(assignment, vh, 2.0))
+    key = f"{assignment.round_id}/grad"
+    for _ in range(3000):  # until the owner holds h's copy (bounded)
+        if key in a.averager._rounds and "h" in a.averager._rounds[key].reducer.contributions:
+            break
+        await asyncio.sleep(0.01)
+    owner.cancel()  # e.g. Ctrl-C on the owner while m never sends: h must not wait for the deadline
+    with pytest.raises(asyncio.CancelledError):
+        await owner
+    result = await sender
+    assert result.failed_parts == (0,)
+    assert "503" in result.reasons["part 0"] and "abandoned" in result.reasons["part 0"]
+    np.testing.assert_array_equal(result.values, vh)
+    assert time.time() < assignment.deadline
+    assert isinstance(h.events[-1], RoundFailed)

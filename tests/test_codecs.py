@@ -1,0 +1,249 @@
+"""Codec conformance: every codec round-trips random arrays within its tolerance, and does with NaN/inf
+exactly what the module docstring of crowdtrain.protocol.codecs promises."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from crowdtrain.protocol.codecs import (
+    INT8_BLOCK,
+    Codec,
+    Compressor,
+    ErrorFeedback,
+    raw_size,
+    transform,
+    untransform,
+)
+from crowdtrain.protocol.errors import ConfigError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.limits import Limits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+any32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+sizes = st.integers(min_value=0, max_value=3 * INT8_BLOCK + 17)
+
+
+def signed(lo: float, hi: float, zero: bool = False):
+    """float32 values with magnitude in [lo, hi], either sign (and 0 when ``zero``)."""
+    mag = st.floats(min_value=float(np.float32(lo)), max_value=float(np.float32(hi)), width=32)
+    values = st.tuples(mag, st.booleans()).map(lambda t: -t[0] if t[1] else t[0])
+    return st.one_of(st.just(0.0), values) if zero else values
+
+
+def arrays(elements=finite32, size=sizes):
+    return size.flatmap(lambda n: hnp.arrays(np.float32, n, elements=elements))
+
+
+def roundtrip(x: np.ndarray, codec: Codec, level: int = 1) -> np.ndarray:
+    comp = Compressor(level=level)
+    body = comp.encode(x, codec)
+    y = comp.decode(body, codec, x.size)
+    assert y.dtype == np.float32 and y.shape == (x.size,)
+    return y
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+@SETTINGS
+@given(x=arrays(any32), level=st.sampled_from([-1, 1, 3]))
+def test_raw_payload_size_is_what_raw_size_says(codec, x, level):
+    assert len(transform(x, codec)) == raw_size(codec, x.size)
+    roundtrip(x, codec, level)
+
+
+@SETTINGS
+@given(x=arrays(any32))
+def test_none_keeps_every_bit_including_nan_and_inf(x):
+    y = roundtrip(x, Codec.NONE)
+    assert y.view(np.uint32).tolist() == x.view(np.uint32).tolist()
+
+
+@SETTINGS
+@given(x=arrays(any32))
+def test_fp16_is_numpys_round_to_nearest_even_cast(x):
+    y = roundtrip(x, Codec.FP16)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np.float16).astype(np.float32)
+    assert np.array_equal(y, expected, equal_nan=True)
+    assert np.array_equal(np.signbit(y[~np.isnan(x)]), np.signbit(expected[~np.isnan(x)]))
+
+
+def test_fp16_non_finite_and_range_as_documented():
+    x = np.array(
+        [np.nan, -np.nan, np.inf, -np.inf, 65504.0, 65519.0, 65520.0, -1e6, 2.0**-25, -(2.0**-25), 2.0**-24],
+        dtype=np.float32,
+    )
+    y = roundtrip(x, Codec.FP16)
+    assert np.isnan(y[:2]).all()
+    assert y[2:].tolist() == [np.inf, -np.inf, 65504.0, 65504.0, np.inf, -np.inf, 0.0, -0.0, 2.0**-24]
+    assert np.signbit(y[9])
+
+
+@SETTINGS
+@given(x=arrays(signed(2.0**-14, 65000.0), st.integers(0, 300)))
+def test_fp16_relative_error_in_normal_range(x):
+    y = roundtrip(x, Codec.FP16)
+    assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-11)  # half an ulp of a 10-bit mantissa ≈ 4.9e-4
+
+
+@SETTINGS
+@given(x=arrays(any32, st.integers(0, 400)))  # the reference below is a Python loop
+def test_bf16_keeps_nan_and_inf_and_rounds_to_nearest_even(x):
+    y = roundtrip(x, Codec.BF16)
+    nan = np.isnan(x)
+    assert np.isnan(y[nan]).all()
+    assert not np.isnan(y[~nan]).any()
+    inf = np.isinf(x)
+    assert np.array_equal(y[inf], x[inf])
+    # exact reference: round the fp32 bits to the nearest even multiple of 2^16 in float64 arithmetic
+    finite = x[~nan & ~inf].astype(np.float64)
+    ref = _bf16_reference(finite)
+    assert np.array_equal(y[~nan & ~inf].astype(np.float64), ref)
+
+
+def _bf16_reference(v: np.ndarray) -> np.ndarray:
+    out = []
+    for value in v.tolist():
+        bits = int(np.float32(value).view(np.uint32))
+        low, high = bits & 0xFFFF, bits >> 16
+        if low > 0x8000 or (low == 0x8000 and high & 1):
+            high += 1
+        out.append(float(np.uint32(high << 16).view(np.float32)))
+    return np.array(out, dtype=np.float64)
+
+
+def test_bf16_overflow_and_nan_as_documented():
+    x = np.array([np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 3.38e38, 1.0], dtype=np.float32)
+    y = roundtrip(x, Codec.BF16)
+    assert np.isnan(y[0])
+    assert y[1:5].tolist() == [np.inf, -np.inf, np.inf, -np.inf]
+    assert np.isfinite(y[5]) and y[6] == 1.0
+
+
+@SETTINGS
+@given(x=arrays(signed(1e-20, 1e6, zero=True), st.integers(0, 300)))
+def test_bf16_relative_error(x):
+    y = roundtrip(x, Codec.BF16)
+    assert np.all(np.abs(y - x) <= np.abs(x) * 2.0**-8)  # half an ulp of a 7-bit mantissa ≈ 3.9e-3
+
+
+def _blocks(x: np.ndarray):
+    for start in range(0, x.size, INT8_BLOCK):
+        yield slice(start, start + INT8_BLOCK)
+
+
+@SETTINGS
+@given(x=arrays(signed(1e-30, 1e30, zero=True)))
+def test_int8_error_is_half_a_step_of_the_block_absmax(x):
+    y = roundtrip(x, Codec.INT8)
+    for block in _blocks(x):
+        absmax = float(np.abs(x[block]).max())
+        err = np.abs(y[block].astype(np.float64) - x[block])
+        assert err.max() <= absmax / 254 * (1 + 1e-5) + 1e-45, (absmax, err.max())
+
+
+@SETTINGS
+@given(
+    x=arrays(finite32, st.integers(1, 2 * INT8_BLOCK + 5)),
+    bad=st.sampled_from([np.nan, np.inf, -np.inf]),
+    where=st.integers(min_value=0),
+)
+def test_int8_block_with_nan_or_inf_decodes_as_all_nan_and_spares_the_others(x, bad, where):
+    x = x.copy()
+    pos = where % x.size
+    x[pos] = bad
+    y = roundtrip(x, Codec.INT8)
+    for block in _blocks(x):
+        if block.start <= pos < block.stop:
+            assert np.isnan(y[block]).all()
+        else:
+            assert np.isfinite(y[block]).all()
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_empty_and_zero_arrays(codec):
+    assert roundtrip(np.zeros(0, np.float32), codec).size == 0
+    assert not roundtrip(np.zeros(5000, np.float32), codec).any()
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_codec_accepts_any_shape_and_dtype_it_can_cast(codec):
+    x = np.arange(24, dtype=np.float64).reshape(2, 3, 4) / 7
+    y = Compressor().decode(Compressor().encode(x, codec), codec, x.size)
+    assert np.allclose(y, x.reshape(-1), rtol=1e-2, atol=24 / 7 / 127)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_untransform_refuses_a_payload_of_the_wrong_size(codec):
+    raw = transform(np.ones(10, np.float32), codec)
+    with pytest.raises(ProtocolError, match=f"codec {codec.label} need"):
+        untransform(raw + b"\0", codec, 10)
+
+
+@pytest.mark.parametrize("codec", [Codec.FP16, Codec.BF16, Codec.INT8])
+def test_error_feedback_running_sum_converges_to_the_inputs(codec):
+    """What quantisation drops is only delayed: Σ decoded − Σ inputs stays one quantisation error."""
+    rng = np.random.default_rng(7)
+    ef = ErrorFeedback(codec)
+    sent_sum = np.zeros(3000, np.float64)
+    input_sum = np.zeros(3000, np.float64)
+    plain_sum = np.zeros(3000, np.float64)
+    steps = 200
+    for _ in range(steps):
+        x = (rng.standard_normal(3000) * 1e-3 + 3e-4).astype(np.float32)
+        raw, sent = ef.transform(x)
+        assert np.array_equal(untransform(raw, codec, x.size), sent)
+        sent_sum += sent
+        input_sum += x
+        plain_sum += untransform(transform(x, codec), codec, x.size)
+    gap = np.abs(sent_sum - input_sum).max()
+    # the gap is the current residual, not an accumulation: no larger than one step's quantisation error
+    assert np.allclose(sent_sum - input_sum, -ef.residual, atol=1e-6)
+    one_step = np.abs(x - untransform(transform(x, codec), codec, x.size)).max()
+    assert gap <= 4 * one_step + 1e-7
+    assert gap < np.abs(plain_sum - input_sum).max() or codec is Codec.FP16
+
+
+def test_error_feedback_drops_non_finite_residuals_and_resets():
+    ef = ErrorFeedback(Codec.INT8)
+    x = np.array([1.0, np.nan, 0.3], np.float32)
+    ef.transform(x)
+    assert np.isfinite(ef.residual).all()
+    ef.reset()
+    assert ef.residual is None
+    raw, sent = ErrorFeedback(Codec.NONE).transform(x)
+    assert np.array_equal(sent, x, equal_nan=True) and len(raw) == 12
+
+
+def test_codec_parse_and_level_are_validated():
+    assert Codec.parse("INT8") is Codec.INT8
+    with pytest.raises(
+        ConfigError, match="codec: unknown codec 'int4'; choose one of none, fp16, bf16, int8"
+    ):
+        Codec.parse("int4")
+    with pytest.raises(ConfigError, match="zstd_level"):
+        Compressor(level=23)
+
+
+def test_decompress_refuses_before_allocating_beyond_the_limit():
+    comp = Compressor(limits=Limits(max_frame_bytes=1000))
+    body = Compressor().compress(b"\0" * 2000)
+    with pytest.raises(LimitExceeded, match="declares 2000 raw bytes, more than the limit of 1000"):
+        comp.decompress(body, 2000)
+    with pytest.raises(ProtocolError, match="zstd body declares 2000 bytes but the header declares 999"):
+        comp.decompress(body, 999)
+    with pytest.raises(ProtocolError, match="not zstd data"):
+        comp.decompress(b"garbage!", 10)
+
+
+@pytest.mark.parametrize("codec", list(Codec))
+def test_encoding_leaves_the_input_untouched_and_takes_read_only_arrays(codec):
+    x = np.frombuffer(np.linspace(-3, 3, 9000, dtype=np.float32).tobytes(), dtype=np.float32)
+    assert not x.flags.writeable
+    before = x.copy()
+    Compressor().encode(x, codec)
+    ErrorFeedback(codec).transform(x)
+    assert np.array_equal(x, before)

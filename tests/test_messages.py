@@ -1,0 +1,208 @@
+"""Every control message round-trips through encode/decode; decoding is strict and names the field.
+
+The strategies are derived from the schemas themselves (msgspec.inspect), so a message added to
+crowdtrain.protocol.messages is covered without touching this file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import msgspec.inspect as mi
+import pytest
+from crowdtrain.protocol import messages
+from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
+from crowdtrain.protocol.limits import Limits
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ALL_MESSAGES = sorted(
+    (
+        obj
+        for obj in vars(messages).values()
+        if isinstance(obj, type) and issubclass(obj, messages.Message) and obj is not messages.Message
+    ),
+    key=lambda cls: cls.__name__,
+)
+VERSIONED = [cls for cls in ALL_MESSAGES if "version" in cls.__struct_fields__]
+
+INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# JSON has no NaN or inf: msgspec writes them as null, which a float field then refuses (see below).
+FLOAT = st.floats(allow_nan=False, allow_infinity=False)
+TEXT = st.text(max_size=20)
+
+
+def strategy_for(t: mi.Type) -> st.SearchStrategy:
+    if isinstance(t, mi.StructType):
+        return struct_strategy(t)
+    if isinstance(t, mi.IntType):
+        return INT64
+    if isinstance(t, mi.FloatType):
+        return FLOAT
+    if isinstance(t, mi.StrType):
+        return TEXT
+    if isinstance(t, mi.BoolType):
+        return st.booleans()
+    if isinstance(t, mi.NoneType):
+        return st.none()
+    if isinstance(t, mi.LiteralType):
+        return st.sampled_from(t.values)
+    if isinstance(t, mi.UnionType):
+        return st.one_of(*(strategy_for(x) for x in t.types))
+    if isinstance(t, mi.ListType):
+        return st.lists(strategy_for(t.item_type), max_size=3)
+    if isinstance(t, mi.DictType):
+        return st.dictionaries(strategy_for(t.key_type), strategy_for(t.value_type), max_size=3)
+    raise AssertionError(f"add a strategy for {t!r} to tests/test_messages.py")
+
+
+def struct_strategy(t: mi.StructType) -> st.SearchStrategy:
+    fields = {}
+    for f in t.fields:
+        value = strategy_for(f.type)
+        if not f.required:
+            default = st.builds(f.default_factory) if f.default is msgspec.NODEFAULT else st.just(f.default)
+            value = st.one_of(default, value)
+        fields[f.name] = value
+    return st.fixed_dictionaries(fields).map(lambda kw: t.cls(**kw))
+
+
+def message_strategy(cls: type[messages.Message]) -> st.SearchStrategy:
+    return struct_strategy(mi.type_info(cls))
+
+
+def minimal(t: mi.Type):
+    """A small valid JSON value of type ``t``, with every field of a struct present."""
+    if isinstance(t, mi.StructType):
+        return {f.name: minimal(f.type) for f in t.fields}
+    if isinstance(t, mi.UnionType):
+        return minimal(next((x for x in t.types if not isinstance(x, mi.NoneType)), t.types[0]))
+    if isinstance(t, mi.LiteralType):
+        return t.values[0]
+    simple = {mi.IntType: 0, mi.FloatType: 0.5, mi.StrType: "x", mi.BoolType: False, mi.NoneType: None}
+    for kind, value in simple.items():
+        if isinstance(t, kind):
+            return value
+    if isinstance(t, mi.ListType):
+        return [minimal(t.item_type)]
+    if isinstance(t, mi.DictType):
+        return {minimal(t.key_type): minimal(t.value_type)}
+    raise AssertionError(f"add a value for {t!r} to tests/test_messages.py")
+
+
+def sample_json(cls: type[messages.Message]) -> dict:
+    """A valid instance of ``cls`` as a JSON object, every field present."""
+    obj = minimal(mi.type_info(cls))
+    messages.decode(json.dumps(obj), cls)  # it is valid as it stands
+    return obj
+
+
+@pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_every_message_round_trips(cls, data):
+    msg = data.draw(message_strategy(cls))
+    wire = messages.encode(msg)
+    assert messages.decode(wire, cls) == msg
+    assert messages.decode(wire.decode(), cls) == msg
+    assert messages.convert(messages.to_builtins(msg), cls) == msg
+
+
+def test_there_are_messages_for_every_exchange_the_issue_names():
+    names = {cls.__name__ for cls in ALL_MESSAGES}
+    assert {"RunSpec", "JoinRequest", "Heartbeat", "GroupAssignment", "StateManifest"} <= names
+
+
+@pytest.mark.parametrize("cls", VERSIONED, ids=lambda c: c.__name__)
+def test_unknown_version_is_refused_naming_the_field(cls):
+    obj = sample_json(cls)
+    obj["version"] = 2
+    with pytest.raises(ProtocolError, match=r"`\$\.version`") as info:
+        messages.decode(json.dumps(obj), cls)
+    assert str(info.value).startswith(f"{cls.__name__}: ")
+
+
+WITH_REQUIRED = [cls for cls in ALL_MESSAGES if any(f.required for f in mi.type_info(cls).fields)]
+
+
+@pytest.mark.parametrize("cls", WITH_REQUIRED, ids=lambda c: c.__name__)
+def test_missing_required_field_is_refused_naming_it(cls):
+    for name in (f.name for f in mi.type_info(cls).fields if f.required):
+        obj = sample_json(cls)
+        del obj[name]
+        with pytest.raises(ProtocolError, match=f"{cls.__name__}: Object missing required field `{name}`"):
+            messages.decode(json.dumps(obj), cls)
+
+
+@pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
+def test_extra_field_is_refused_naming_it(cls):
+    obj = sample_json(cls)
+    obj["surprise"] = 1
+    with pytest.raises(ProtocolError, match=f"{cls.__name__}: Object contains unknown field `surprise`"):
+        messages.decode(json.dumps(obj), cls)
+
+
+@pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
+def test_ill_typed_field_is_refused_naming_it(cls):
+    for f in mi.type_info(cls).fields:
+        obj = sample_json(cls)
+        # an array is valid for no scalar, struct or dict field; list fields get an object instead
+        wrong = {"x": 1} if isinstance(f.type, mi.ListType) else [1]
+        obj[f.name] = wrong
+        with pytest.raises(ProtocolError, match=rf"{cls.__name__}: Expected .* - at `\$\.{f.name}`"):
+            messages.decode(json.dumps(obj), cls)
+
+
+def test_nested_ill_typed_field_names_its_path():
+    obj = sample_json(messages.RunSpec)
+    obj["averaging"] = {"group_size": "four"}
+    with pytest.raises(
+        ProtocolError, match=r"RunSpec: Expected `int`, got `str` - at `\$\.averaging\.group_size`"
+    ):
+        messages.decode(json.dumps(obj), messages.RunSpec)
+
+
+def test_strict_decoding_does_not_coerce_strings_to_numbers():
+    obj = sample_json(messages.Heartbeat)
+    obj["step"] = "3"
+    with pytest.raises(ProtocolError, match=r"Expected `int`, got `str` - at `\$\.step`"):
+        messages.decode(json.dumps(obj), messages.Heartbeat)
+
+
+def test_non_finite_floats_travel_as_null_and_are_refused_where_a_float_is_required():
+    hb = messages.Heartbeat(peer_id="p", step=1, samples=2, samples_per_s=float("nan"), loss=float("inf"))
+    wire = messages.encode(hb)
+    assert b'"samples_per_s":null' in wire and b'"loss":null' in wire
+    with pytest.raises(
+        ProtocolError, match=r"Heartbeat: Expected `float`, got `null` - at `\$\.samples_per_s`"
+    ):
+        messages.decode(wire, messages.Heartbeat)
+
+
+def test_not_json_and_not_an_object_are_protocol_errors():
+    with pytest.raises(ProtocolError, match="JoinRequest is not valid JSON"):
+        messages.decode(b"{not json", messages.JoinRequest)
+    with pytest.raises(ProtocolError, match=r"JoinRequest: Expected `object`, got `array`"):
+        messages.decode(b"[]", messages.JoinRequest)
+
+
+def test_oversized_message_is_refused_before_parsing():
+    limits = Limits(max_json_bytes=100)
+    wire = messages.encode(messages.ErrorBody(error="x" * 200))
+    with pytest.raises(LimitExceeded, match=r"ErrorBody message is 212 bytes, more than the limit of 100"):
+        messages.decode(wire, messages.ErrorBody, limits)
+
+
+def test_convert_is_strict_too():
+    with pytest.raises(ProtocolError, match=r"LeaveRequest: Object missing required field `peer_id`"):
+        messages.convert({"version": 1}, messages.LeaveRequest)
+    assert messages.convert({"peer_id": "a"}, messages.LeaveRequest) == messages.LeaveRequest(peer_id="a")
+
+
+def test_replace_returns_a_changed_copy():
+    msg = messages.LeaveRequest(peer_id="a")
+    assert messages.replace(msg, peer_id="b").peer_id == "b" and msg.peer_id == "a"
+    with pytest.raises(AttributeError):
+        msg.peer_id = "c"  # frozen
+    assert isinstance(msg, msgspec.Struct)

@@ -1,0 +1,439 @@
+"""The tracker's JSON API on a real server (127.0.0.1:0): each endpoint, and each bad input with the exact
+sentence the client sees."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import socket
+
+import aiohttp
+import pytest
+from crowdtrain.protocol.credentials import SigningKey, verify_credential
+from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
+from crowdtrain.protocol.messages import Heartbeat, JoinRequest, encode, replace
+from crowdtrain.protocol.peerauth import sign_headers
+from crowdtrain.tracker.auth import sign_session_headers
+from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create, make_torrent
+from crowdtrain.tracker.server import serve
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, read back, released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def tracker():
+    async with serve(TrackerConfig(max_body_bytes=64 * 1024)) as t:
+        yield t
+
+
+@pytest.fixture
+async def admin(tracker):
+    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:
+        yield c
+
+
+@pytest.fixture
+async def run_id(admin):
+    return (await admin.create_run(make_run_create(target_batch_size=100))).run_id
+
+
+async def raw(tracker, method, path, body=None, headers=None):
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, tracker.url + path, data=body, headers=headers or {}) as r:
+            return r.status, await r.read()
+
+
+def error_of(body: bytes) -> str:
+    return json.loads(body)["error"]
+
+
+async def test_healthz_and_metrics(tracker, admin, run_id):
+    assert await admin.healthz() == {"ok": True, "runs": 1}
+    status, body = await raw(tracker, "GET", "/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'crowdtrain_tracker_requests_total{route="/api/v1/runs",status="201"} 1.0' in text
+    assert "crowdtrain_tracker_runs 1.0" in text
+    assert "crowdtrain_tracker_peers_online 0.0" in text
+
+
+async def test_create_get_list_and_torrent(tracker, admin):
+    torrent = make_torrent("set-a", b"a" * 50000)
+    created = await admin.create_run(make_run_create("My First Run!", torrent, target_batch_size=512))
+    assert created.run_id.startswith("my-first-run-")
+    spec = await admin.get_spec(created.run_id)
+    assert spec == created.spec
+    assert spec.tracker_public_key == tracker.public_key
+    assert spec.target_batch_size == 512
+    assert spec.created_at > 0
+    assert await admin.get_torrent(created.run_id) == torrent
+    runs = await admin.list_runs()
+    assert [(r.run_id, r.global_step, r.peers_online) for r in runs.runs] == [(created.run_id, 0, 0)]
+
+
+async def test_create_needs_the_admin_token(tracker, run_id):
+    body = encode(make_run_create())
+    status, reply = await raw(tracker, "POST", "/api/v1/runs", body)
+    assert (status, error_of(reply)) == (
+        401,
+        "this endpoint needs the tracker's admin token in an 'Authorization: Bearer <token>' header",
+    )
+    async with TrackerClient(tracker.url, admin_token="not-the-token-at-all") as c:
+        with pytest.raises(TrackerError) as info:
+            await c.create_run(make_run_create())
+    assert info.value.status == 403
+    assert str(info.value) == "the admin token is wrong; use the token the tracker printed when it started"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "status", "message"),
+    [
+        (lambda d: b"{not json", 400, "RunCreate is not valid JSON: "),
+        (
+            lambda d: d.replace(b'"name":', b'"colour":"red","name":', 1),
+            400,
+            "Object contains unknown field `colour`",
+        ),
+        (
+            lambda d: d.replace(b'"target_batch_size":100', b'"target_batch_size":"lots"'),
+            400,
+            "RunCreate: Expected `int`, got `str` - at `$.target_batch_size`",
+        ),
+        (
+            lambda d: d.replace(b'"target_batch_size":100', b'"target_batch_size":0'),
+            400,
+            "RunCreate: target_batch_size must be at least 1, got 0",
+        ),
+        (lambda d: b"x" * 70000, 413, "request body is larger than the tracker's limit of 65536 bytes"),
+    ],
+)
+async def test_create_refuses_bad_bodies(tracker, mutate, status, message):
+    body = mutate(encode(make_run_create(target_batch_size=100)))
+    got, reply = await raw(
+        tracker, "POST", "/api/v1/runs", body, {"Authorization": f"Bearer {tracker.admin_token}"}
+    )
+    assert got == status
+    assert message in error_of(reply)
+
+
+async def test_create_checks_the_torrent_against_the_info_hash(admin):
+    good = make_run_create()
+    other = make_torrent("other", b"y" * 100)
+    bad = replace(good, torrent=base64.b64encode(other).decode())
+    with pytest.raises(TrackerError) as info:
+        await admin.create_run(bad)
+    assert str(info.value).startswith(
+        f"RunCreate: dataset.infohash is {good.dataset.infohash} but the torrent's"
+    )
+    with pytest.raises(TrackerError, match="RunCreate: torrent is not valid base64"):
+        await admin.create_run(replace(good, torrent="***"))
+    with pytest.raises(
+        TrackerError, match=r"RunCreate: torrent is not a .torrent file \(bencode is malformed"
+    ):
+        await admin.create_run(replace(good, torrent=base64.b64encode(b"hello").decode()))
+    with pytest.raises(TrackerError, match="RunCreate: join_token is required when join_policy is 'token'"):
+        await admin.create_run(replace(good, join_policy="token"))
+    with pytest.raises(TrackerError, match=r"model\.param_hash must be the 64-hex-character parameter hash"):
+        await admin.create_run(replace(good, model=replace(good.model, param_hash="")))
+
+
+async def test_unknown_run_and_unknown_route(tracker, admin):
+    with pytest.raises(TrackerError) as info:
+        await admin.get_spec("no-such-run")
+    assert info.value.status == 404
+    assert str(info.value) == "there is no run 'no-such-run' on this tracker; list runs with GET /api/v1/runs"
+    status, body = await raw(tracker, "GET", "/api/v2/whatever")
+    assert (status, error_of(body)) == (404, "no such endpoint: GET /api/v2/whatever")
+    status, body = await raw(tracker, "DELETE", "/api/v1/runs")
+    assert status == 405
+    assert error_of(body) == "DELETE is not allowed on /api/v1/runs; use GET, HEAD, POST"
+
+
+async def test_join_gives_a_credential_signed_by_the_tracker(admin, run_id, tracker):
+    v = SimVolunteer(admin, run_id)
+    joined = await v.join()
+    verify_credential(joined.credential, tracker.public_key, run_id)
+    assert joined.credential.public_key == v.key.public_hex
+    assert joined.global_step == 0
+    assert (joined.heartbeat_interval_s, joined.peer_ttl_s) == (2.0, 30.0)
+    reply = await v.heartbeat(0, 10)
+    assert (reply.samples, reply.target, reply.peers_online, reply.step_closed) == (10, 100, 1, False)
+    assert reply.reachable is False  # client mode
+
+
+async def test_join_rejects_bad_public_key_and_address(admin, run_id):
+    with pytest.raises(TrackerError, match="public_key must be 64 lowercase hex characters"):
+        await admin.join(run_id, JoinRequest(public_key="zz"))
+    with pytest.raises(TrackerError) as info:
+        await admin.join(run_id, JoinRequest(public_key="ab" * 32, address="nohost"))
+    assert str(info.value) == "address 'nohost' must be host:port with a port between 1 and 65535"
+
+
+async def test_private_run_checks_the_join_token(admin):
+    run = await admin.create_run(make_run_create(join_token="s3cret-token"))
+    assert run.spec.join_policy == "token"
+    v = SimVolunteer(admin, run.run_id)
+    with pytest.raises(TrackerError) as info:
+        await v.join()
+    assert (info.value.status, str(info.value)) == (
+        401,
+        f"run {run.run_id} is private; pass its join token (--token)",
+    )
+    with pytest.raises(TrackerError) as info:
+        await v.join(token="guess")
+    assert (info.value.status, str(info.value)) == (403, f"the join token for run {run.run_id} is wrong")
+    assert (await v.join(token="s3cret-token")).peer_id
+
+
+async def test_peer_requests_must_be_signed_by_the_credential_holder(tracker, admin, run_id):
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    path = f"/api/v1/runs/{run_id}/heartbeat"
+    body = encode(Heartbeat(peer_id=v.peer_id, step=0, samples=1, samples_per_s=1.0))
+    digest = hashlib.sha256(body).hexdigest()
+
+    status, reply = await raw(tracker, "POST", path, body)
+    assert status == 401
+    assert error_of(reply).startswith("request lacks the X-Crowdtrain-Credential, X-Crowdtrain-Time and")
+
+    thief = SigningKey()  # a copied credential without its key
+    status, reply = await raw(
+        tracker, "POST", path, body, sign_headers(thief, v.joined.credential, "tracker", path, digest)
+    )
+    assert (status, error_of(reply)) == (401, "request carries an invalid signature")
+
+    forged = replace(v.joined.credential, public_key=thief.public_hex)
+    status, reply = await raw(
+        tracker, "POST", path, body, sign_headers(thief, forged, "tracker", path, digest)
+    )
+    assert (status, error_of(reply)) == (401, "credential carries an invalid signature")
+
+    tampered = encode(Heartbeat(peer_id=v.peer_id, step=0, samples=99, samples_per_s=1.0))
+    status, reply = await raw(
+        tracker, "POST", path, tampered, sign_headers(v.key, v.joined.credential, "tracker", path, digest)
+    )
+    assert (status, error_of(reply)) == (401, "request carries an invalid signature")
+
+    other = (await admin.create_run(make_run_create("other"))).run_id
+    other_path = f"/api/v1/runs/{other}/heartbeat"
+    headers = sign_headers(v.key, v.joined.credential, "tracker", other_path, digest)
+    status, reply = await raw(tracker, "POST", other_path, body, headers)
+    assert (status, error_of(reply)) == (401, f"credential is for run {run_id!r}, not {other!r}")
+
+    w = SimVolunteer(admin, run_id)
+    await w.join()
+    spoof = encode(Heartbeat(peer_id=w.peer_id, step=0, samples=1, samples_per_s=1.0))
+    headers = sign_headers(v.key, v.joined.credential, "tracker", path, hashlib.sha256(spoof).hexdigest())
+    status, reply = await raw(tracker, "POST", path, spoof, headers)
+    assert (status, error_of(reply)) == (401, f"credential is for peer {v.peer_id}, not {w.peer_id}")
+
+
+async def test_session_mac_from_join_authenticates_cheaply(tracker, admin, run_id):
+    v = SimVolunteer(admin, run_id)
+    joined = await v.join()
+    assert joined.session_key is not None and len(joined.session_key) == 64
+    assert (await v.heartbeat(0, 3)).samples == 3  # the client uses the session key it got at join
+    path = f"/api/v1/runs/{run_id}/heartbeat"
+    body = encode(Heartbeat(peer_id=v.peer_id, step=0, samples=5, samples_per_s=1.0))
+    digest = hashlib.sha256(body).hexdigest()
+    cred = base64.urlsafe_b64encode(encode(joined.credential)).decode()
+    good = sign_session_headers(joined.session_key, cred, path, digest)
+    status, _ = await raw(tracker, "POST", path, body, good)
+    assert status == 200
+    wrong = sign_session_headers("00" * 32, cred, path, digest)
+    status, reply = await raw(tracker, "POST", path, body, wrong)
+    assert (status, error_of(reply)) == (401, "request carries an invalid session MAC")
+    # another peer's session key does not work with this credential
+    w = SimVolunteer(admin, run_id)
+    other = await w.join()
+    stolen = sign_session_headers(other.session_key, cred, path, digest)
+    status, reply = await raw(tracker, "POST", path, body, stolen)
+    assert (status, error_of(reply)) == (401, "request carries an invalid session MAC")
+
+
+async def test_malformed_heartbeat_names_the_field(tracker, admin, run_id):
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    path = f"/api/v1/runs/{run_id}/heartbeat"
+    for body, message in [
+        (b'{"peer_id": "x"', "Heartbeat is not valid JSON"),
+        (
+            json.dumps(
+                {"peer_id": v.peer_id, "step": 0, "samples": 1, "samples_per_s": 1.0, "gpu": 1}
+            ).encode(),
+            "Heartbeat: Object contains unknown field `gpu`",
+        ),
+        (
+            json.dumps({"peer_id": v.peer_id, "step": "0", "samples": 1, "samples_per_s": 1.0}).encode(),
+            "Heartbeat: Expected `int`, got `str` - at `$.step`",
+        ),
+        (
+            json.dumps({"peer_id": v.peer_id, "step": -1, "samples": 1, "samples_per_s": 1.0}).encode(),
+            "Heartbeat: step, samples and chunks_held must be non-negative integers",
+        ),
+    ]:
+        headers = sign_headers(v.key, v.joined.credential, "tracker", path, hashlib.sha256(body).hexdigest())
+        status, reply = await raw(tracker, "POST", path, body, headers)
+        assert status == 400
+        assert error_of(reply) == message or error_of(reply).startswith(message)
+
+
+async def test_reachable_address_is_verified_and_owns_state(admin, run_id):
+    async with PingServer() as ps:
+        v = SimVolunteer(admin, run_id)
+        await v.join(address=ps.address)
+        ps.peer_id = v.peer_id  # the peer server learns its id after join; the next heartbeat re-checks
+        for _ in range(200):
+            if (await v.heartbeat(0, 1)).reachable:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the tracker never verified a peer answering GET /v1/ping")
+        status = await admin.status(run_id)
+        assert [p.client_mode for p in status.peers] == [False]
+        await v.declare_state(0, "cd" * 32, 1234)
+        donors = await admin.donors(run_id)
+        assert donors.state is not None and (donors.state.step, donors.state.size) == (0, 1234)
+        assert [(d.peer_id, d.address, d.public_key) for d in donors.donors] == [
+            (v.peer_id, ps.address, v.key.public_hex)
+        ]
+
+
+async def test_wrong_ping_answer_is_client_mode_and_cannot_donate(admin, run_id):
+    async with PingServer() as ps:
+        ps.peer_id = "somebody-else"
+        v = SimVolunteer(admin, run_id)
+        await v.join(address=ps.address)
+        for _ in range(5):
+            assert (await v.heartbeat(0, 1)).reachable is False
+        await v.declare_state(3, "ab" * 32, 10)
+        assert (await admin.donors(run_id)).donors == []
+
+
+async def test_donors_are_for_the_newest_version_only(admin, run_id):
+    async with PingServer() as a, PingServer() as b:
+        va, vb = SimVolunteer(admin, run_id), SimVolunteer(admin, run_id)
+        await va.join(address=a.address)
+        await vb.join(address=b.address)
+        a.peer_id, b.peer_id = va.peer_id, vb.peer_id
+        for v in (va, vb):
+            for _ in range(200):
+                if (await v.heartbeat(0, 1)).reachable:
+                    break
+                await asyncio.sleep(0.02)
+        await va.declare_state(4, "aa" * 32, 10)
+        await vb.declare_state(5, "bb" * 32, 11)
+        donors = await admin.donors(run_id)
+        assert donors.state.step == 5
+        assert [d.peer_id for d in donors.donors] == [vb.peer_id]
+        await vb.leave()
+        donors = await admin.donors(run_id)
+        assert donors.state.step == 4
+        assert [d.peer_id for d in donors.donors] == [va.peer_id]
+
+
+async def test_state_declare_validates(admin, run_id):
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    with pytest.raises(TrackerError, match=r"state\.content_hash must be 64 lowercase hex characters"):
+        await v.declare_state(1, "nothex", 10)
+    with pytest.raises(TrackerError, match="only a peer with a reachable address can serve state"):
+        await v.declare_state(1, "ab" * 32, 10)
+
+
+async def test_leave_removes_the_peer(admin, run_id):
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    await v.heartbeat(0, 5)
+    assert (await admin.status(run_id)).peers_online == 1
+    await v.leave()
+    status = await admin.status(run_id)
+    assert (status.peers_online, status.samples) == (0, 0)
+    with pytest.raises(TrackerError, match=f"peer {v.peer_id} is not registered in run {run_id}"):
+        await v.leave()
+
+
+async def test_silent_peers_expire():
+    async with serve(TrackerConfig(peer_ttl_s=0.3, heartbeat_interval_s=0.1)) as t:
+        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
+            run_id = (await c.create_run(make_run_create())).run_id
+            v = SimVolunteer(c, run_id)
+            await v.join()
+            await v.heartbeat(0, 3)
+            for _ in range(300):
+                if (await c.status(run_id)).peers_online == 0:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                pytest.fail("a silent peer never expired")
+            assert (await c.status(run_id)).samples == 0
+            # its next heartbeat (credential still valid) registers it again
+            assert (await v.heartbeat(0, 3)).peers_online == 1
+
+
+async def test_join_rate_limit_per_address():
+    async with serve(TrackerConfig(join_rate_per_s=0.001, join_burst=2)) as t:
+        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
+            run_id = (await c.create_run(make_run_create())).run_id
+            await SimVolunteer(c, run_id).join()
+            await SimVolunteer(c, run_id).join()
+            with pytest.raises(TrackerError) as info:
+                await SimVolunteer(c, run_id).join()
+            assert (info.value.status, str(info.value)) == (
+                429,
+                "too many joins from your address; wait a few seconds and try again",
+            )
+
+
+async def test_register_dataset_validates(admin):
+    with pytest.raises(TrackerError, match="infohash must be 40 lowercase hex characters"):
+        await admin.register_dataset("XYZ", "x")
+    reg = await admin.register_dataset("ab" * 20, "my set")
+    assert (reg.infohash, reg.name) == ("ab" * 20, "my set")
+
+
+async def test_unreachable_tracker_says_to_check_the_url():
+    url = f"http://127.0.0.1:{closed_port()}"
+    async with TrackerClient(url, timeout_s=2.0) as c:
+        with pytest.raises(TrackerUnreachable) as info:
+            await c.list_runs()
+    assert str(info.value).startswith(f"Tracker at {url} cannot be reached (")
+    assert str(info.value).endswith("check --tracker or your network.")
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("host:0", "address 'host:0' must be host:port with a port between 1 and 65535"),
+        ("host:http", "address 'host:http' must be host:port with a port between 1 and 65535"),
+        ("a/b:80", "address 'a/b:80' has an invalid host"),
+        ("::1:8000", "address '::1:8000': write an IPv6 host in brackets, e.g. [::1]:8000"),
+    ],
+)
+async def test_declared_addresses_are_validated(admin, run_id, address, message):
+    with pytest.raises(TrackerError) as info:
+        await admin.join(run_id, JoinRequest(public_key="ab" * 32, address=address))
+    assert (info.value.status, str(info.value)) == (400, message)
+
+
+async def test_unspecified_host_means_the_address_the_request_came_from(admin, run_id):
+    async with PingServer() as ps:
+        port = ps.address.rsplit(":", 1)[1]
+        v = SimVolunteer(admin, run_id)
+        await v.join(address=f"0.0.0.0:{port}")
+        ps.peer_id = v.peer_id
+        for _ in range(200):
+            if (await v.heartbeat(0, 1)).reachable:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the tracker did not reach 127.0.0.1 for a declared 0.0.0.0 address")

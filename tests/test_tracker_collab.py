@@ -1,0 +1,222 @@
+"""Collaborative steps and matchmaking through a real tracker: when a step closes, who gets which group,
+late and absent peers, and the durable step history."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from crowdtrain.protocol.credentials import verify_assignment
+from crowdtrain.protocol.messages import AveragingSpec
+from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create
+from crowdtrain.tracker.server import serve
+
+
+@pytest.fixture
+async def tracker():
+    async with serve(TrackerConfig()) as t:
+        yield t
+
+
+@pytest.fixture
+async def client(tracker):
+    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:
+        yield c
+
+
+async def new_run(client, target=100, **averaging):
+    spec = make_run_create(target_batch_size=target, averaging=AveragingSpec(**averaging))
+    return (await client.create_run(spec)).run_id
+
+
+async def joined(client, run_id, n):
+    peers = [SimVolunteer(client, run_id) for _ in range(n)]
+    for v in peers:
+        await v.join()
+    return peers
+
+
+async def test_step_closes_at_the_target_and_ready_peers_get_signed_groups(tracker, client):
+    run_id = await new_run(client, target=30, group_size=4, average_state_every=1, gather_s=5.0)
+    peers = await joined(client, run_id, 3)
+    assert (await peers[0].heartbeat(0, 10)).step_closed is False
+    assert (await peers[1].heartbeat(0, 10)).step_closed is False
+    reply = await peers[2].heartbeat(0, 10)
+    assert (reply.samples, reply.step_closed, reply.eta_s) == (30, True, 0.0)
+    replies = await asyncio.gather(*(v.ready(0, 10 + i) for i, v in enumerate(peers)))
+    assert [r.status for r in replies] == ["group"] * 3
+    a = replies[0].assignment
+    assert all(r.assignment == a for r in replies)
+    verify_assignment(a, tracker.public_key)
+    assert a.step == 0 and a.run_id == run_id
+    assert sorted((m.peer_id, m.weight) for m in a.members) == sorted(
+        (v.peer_id, 10 + i) for i, v in enumerate(peers)
+    )
+    assert all(m.part == -1 and m.address is None for m in a.members)  # all client mode
+    assert a.parts == 0
+    assert a.average_params is True  # (0 + 1) % 1 == 0
+    status = await client.status(run_id)
+    assert status.global_step == 1
+    assert status.samples == 0  # nobody heartbeated step 1 yet
+    [record] = status.recent_steps
+    assert (record.step, record.samples, record.peers, record.groups, record.seed) == (0, 30, 3, 1, a.seed)
+    async with aiohttp.ClientSession() as s, s.get(tracker.url + "/metrics") as r:
+        metrics = await r.text()
+    assert "crowdtrain_tracker_steps_total 1.0" in metrics
+    assert "crowdtrain_tracker_round_size_count 1.0" in metrics
+    assert "crowdtrain_tracker_round_size_sum 3.0" in metrics
+    assert "crowdtrain_tracker_peers_online 3.0" in metrics
+
+
+async def test_ready_before_the_close_waits_then_gets_its_group(client):
+    run_id = await new_run(client, target=20, gather_s=5.0)
+    a, b = await joined(client, run_id, 2)
+    await a.heartbeat(0, 10)
+    assert (await a.ready(0, 10, wait_s=0.05)).status == "wait"
+    early = asyncio.create_task(a.ready(0, 10, wait_s=20))
+    await asyncio.sleep(0)
+    assert (await b.heartbeat(0, 10)).step_closed is True
+    late = await b.ready(0, 10)
+    assert late.status == "group"
+    assert (await early).assignment == late.assignment
+
+
+async def test_a_peer_that_never_says_ready_does_not_block_the_round_past_gather(client):
+    run_id = await new_run(client, target=30, gather_s=0.3)
+    peers = await joined(client, run_id, 3)
+    for v in peers:
+        await v.heartbeat(0, 10)
+    replies = await asyncio.gather(peers[0].ready(0, 10), peers[1].ready(0, 10))
+    assert [r.status for r in replies] == ["group", "group"]
+    assert sorted(m.peer_id for m in replies[0].assignment.members) == sorted(v.peer_id for v in peers[:2])
+    # the absent one asks later: it missed step 0 and is told the current step
+    late = await peers[2].ready(0, 10)
+    assert (late.status, late.global_step, late.assignment) == ("missed", 1, None)
+    # a member asking again gets the same assignment
+    again = await peers[0].ready(0, 10)
+    assert again.assignment == replies[0].assignment
+
+
+async def test_step_closes_on_timeout_with_min_group_size(client):
+    run_id = await new_run(client, target=10_000, step_timeout_s=0.2, min_group_size=2, gather_s=5.0)
+    a, b = await joined(client, run_id, 2)
+    await a.heartbeat(0, 5)
+    # one contributor is below min_group_size: the step stays open past its timeout
+    assert (await a.ready(0, 5, wait_s=0.4)).status == "wait"
+    assert (await a.heartbeat(0, 6)).step_closed is False
+    await b.heartbeat(0, 1)
+    for _ in range(100):
+        if (await a.heartbeat(0, 6)).step_closed:
+            break
+        await asyncio.sleep(0.02)
+    else:
+        pytest.fail("the step never closed on its timeout")
+    ra, rb = await asyncio.gather(a.ready(0, 6), b.ready(0, 1))
+    assert ra.status == rb.status == "group"
+    [record] = (await client.status(run_id)).recent_steps
+    assert (record.samples, record.peers) == (7, 2)
+
+
+async def test_ready_for_a_future_step_waits_for_it(client):
+    run_id = await new_run(client, target=10, gather_s=5.0)
+    [a] = await joined(client, run_id, 1)
+    assert (await a.ready(1, 0, wait_s=0.05)).status == "wait"
+    await a.heartbeat(0, 10)
+    assert (await a.ready(0, 10)).status == "group"
+    await a.heartbeat(1, 10)
+    reply = await a.ready(1, 10)
+    assert (reply.status, reply.assignment.step, reply.global_step) == ("group", 1, 2)
+    history = (await client.status(run_id)).recent_steps
+    assert [r.step for r in history] == [1, 0]
+    assert history[0].seed != history[1].seed
+
+
+@pytest.mark.parametrize(("n", "sizes"), [(1, [1]), (2, [2]), (7, [3, 4]), (20, [4, 4, 4, 4, 4])])
+async def test_groups_of_g4_cover_every_ready_peer_once(client, n, sizes):
+    run_id = await new_run(client, target=n, group_size=4, gather_s=10.0)
+    peers = await joined(client, run_id, n)
+    for v in peers:
+        await v.heartbeat(0, 1)
+    replies = await asyncio.gather(*(v.ready(0, 1) for v in peers))
+    assert all(r.status == "group" for r in replies)
+    groups = {r.assignment.round_id: r.assignment for r in replies}
+    assert sorted(len(g.members) for g in groups.values()) == sizes
+    members = [m.peer_id for g in groups.values() for m in g.members]
+    assert sorted(members) == sorted(v.peer_id for v in peers)
+    for v, r in zip(peers, replies, strict=True):
+        assert v.peer_id in [m.peer_id for m in r.assignment.members]
+
+
+async def test_reachable_peers_own_parts_and_are_spread_over_groups(client):
+    run_id = await new_run(client, target=8, group_size=4, gather_s=10.0)
+    servers = [PingServer() for _ in range(2)]
+    for s in servers:
+        await s.__aenter__()
+    try:
+        reachable = [SimVolunteer(client, run_id) for _ in servers]
+        for v, s in zip(reachable, servers, strict=True):
+            await v.join(address=s.address)
+            s.peer_id = v.peer_id
+        for v in reachable:
+            for _ in range(200):
+                if (await v.heartbeat(0, 1)).reachable:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                pytest.fail("a reachable peer was never verified")
+        others = await joined(client, run_id, 6)
+        for v in others:
+            await v.heartbeat(0, 1)
+        everyone = reachable + others
+        replies = await asyncio.gather(*(v.ready(0, 1) for v in everyone))
+    finally:
+        for s in servers:
+            await s.__aexit__(None, None, None)
+    groups = {r.assignment.round_id: r.assignment for r in replies}
+    assert sorted(len(g.members) for g in groups.values()) == [4, 4]
+    by_id = {v.peer_id: s.address for v, s in zip(reachable, servers, strict=True)}
+    for g in groups.values():
+        owners = [m for m in g.members if m.part >= 0]
+        assert g.parts == 1 and len(owners) == 1
+        assert owners[0].part == 0 and owners[0].address == by_id[owners[0].peer_id]
+        assert all(m.address is None for m in g.members if m.part < 0)
+
+
+async def test_every_ready_answer_is_bounded_by_long_poll():
+    async with serve(TrackerConfig(long_poll_s=0.2)) as t:
+        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
+            run_id = await new_run(c, target=100)
+            [a] = await joined(c, run_id, 1)
+            reply = await a.ready(0, 1, wait_s=60)  # the tracker caps the wait at its long_poll_s
+            assert (reply.status, reply.global_step) == ("wait", 0)
+
+
+async def test_expired_peer_leaves_the_pending_set_and_the_round_forms(client):
+    run_id = await new_run(client, target=20, gather_s=30.0)
+    a, b = await joined(client, run_id, 2)
+    await a.heartbeat(0, 10)
+    await b.heartbeat(0, 10)
+    waiting = asyncio.create_task(a.ready(0, 10))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # b is online at step 0 and not ready yet
+    await b.leave()
+    reply = await waiting
+    assert reply.status == "group"
+    assert [m.peer_id for m in reply.assignment.members] == [a.peer_id]
+
+
+async def test_shutdown_answers_waiting_long_polls_instead_of_hanging():
+    async with serve(TrackerConfig()) as t:
+        c = TrackerClient(t.url, admin_token=t.admin_token)
+        await c.__aenter__()
+        run_id = await new_run(c, target=100)
+        [a] = await joined(c, run_id, 1)
+        waiting = asyncio.create_task(a.ready(0, 1, wait_s=20))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+    reply = await waiting
+    assert (reply.status, reply.global_step) == ("wait", 0)
+    await c.close()

@@ -1,0 +1,127 @@
+"""The tracker as a process: it imports no torch, prints its URL, survives SIGKILL on the same --db with runs,
+tokens and history intact, and a volunteer's next heartbeat re-registers it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from crowdtrain.protocol.errors import TrackerError
+from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
+
+HEAVY = ("torch", "libtorrent", "rich")
+
+
+def test_importing_and_starting_the_tracker_imports_no_torch(tmp_path):
+    code = (
+        "import asyncio, sys\n"
+        "import crowdtrain.tracker.server as s\n"
+        "from crowdtrain.tracker.config import TrackerConfig\n"
+        "async def main():\n"
+        "    async with s.serve(TrackerConfig()) as t:\n"
+        "        from crowdtrain.tracker.client import TrackerClient\n"
+        "        async with TrackerClient(t.url) as c:\n"
+        "            await c.list_runs()\n"
+        "asyncio.run(main())\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    modules = {name.split(".")[0] for name in out.stdout.split()}
+    assert "aiohttp" in modules  # it did start a server
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+class TrackerProcess:
+    def __init__(self, db: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "crowdtrain", "tracker", "serve", "--port", "0", "--db", db],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.url = ""
+        self.token = ""
+
+    async def started(self) -> TrackerProcess:
+        assert self.proc.stdout is not None
+        while not (self.url and self.token):
+            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 60)
+            if not line:
+                raise AssertionError(f"tracker exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            if m := re.match(r"tracker listening on (http://\S+)", line):
+                self.url = m.group(1)
+            if m := re.match(r"admin token: (\S+)", line):
+                self.token = m.group(1)
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.mark.slow
+async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_reregisters(tmp_path, cli_env):
+    db = str(tmp_path / "tracker.sqlite3")
+    first = await TrackerProcess(db, cli_env).started()
+    try:
+        async with TrackerClient(first.url, admin_token=first.token) as c:
+            created = await c.create_run(
+                make_run_create("durable", target_batch_size=10, join_token="join-me-please")
+            )
+            run_id = created.run_id
+            v = SimVolunteer(c, run_id)
+            await v.join(token="join-me-please")
+            await v.heartbeat(0, 10)
+            assert (await v.ready(0, 10)).status == "group"
+            history = (await c.status(run_id)).recent_steps
+            assert [r.step for r in history] == [0]
+    finally:
+        first.kill()
+    assert first.proc.returncode == -signal.SIGKILL
+
+    second = await TrackerProcess(db, cli_env).started()
+    try:
+        assert second.token == first.token
+        async with TrackerClient(second.url, admin_token=second.token) as c:
+            spec = await c.get_spec(run_id)
+            assert spec == created.spec  # same tracker key too: old credentials still verify
+            status = await c.status(run_id)
+            assert (status.global_step, status.peers_online) == (1, 0)
+            assert status.recent_steps == history
+            # the private run still wants its token
+            with pytest.raises(TrackerError, match="is private"):
+                await SimVolunteer(c, run_id).join()
+            # the volunteer talks to the new process with its old credential (Ed25519-signed: this client
+            # did not see the join)
+            v.client = c
+            reply = await v.heartbeat(1, 4)
+            assert (reply.global_step, reply.peers_online, reply.samples) == (1, 1, 4)
+            assert [p.peer_id for p in (await c.status(run_id)).peers] == [v.peer_id]
+            # and its session key from before the restart still works (the tracker's secret is durable)
+            c.remember_session(v.joined.credential, v.joined.session_key)
+            assert (await v.heartbeat(1, 6)).samples == 6
+            # and the admin token still works
+            assert (await c.create_run(make_run_create("second"))).run_id
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        out, err = second.proc.communicate(timeout=30)
+    assert second.proc.returncode == 0, err
+    assert "tracker stopped" in out
+
+
+@pytest.mark.slow
+async def test_sigint_stops_gracefully(tmp_path, cli_env):
+    p = await TrackerProcess(":memory:", cli_env).started()
+    os.kill(p.proc.pid, signal.SIGINT)
+    out, err = p.proc.communicate(timeout=30)
+    assert p.proc.returncode == 0, err
+    assert out.rstrip().endswith("tracker stopped")

@@ -1,0 +1,78 @@
+"""A volunteer that joins late fetches the run's state from the others while it trains, then holds the
+same step and parameters as they do and counts from the following step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.engine import Volunteer
+from crowdtrain.volunteer.state.config import StateConfig
+
+from tests.harness import published_run
+
+KiB = 1024
+LATE_AT = 10
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.timeout(300)
+async def test_late_volunteer_catches_up_while_training_and_then_matches_the_others(tmp_path):
+    model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+    # Donors upload slowly, so the download takes a few seconds during which the newcomer trains.
+    state = StateConfig(range_bytes=64 * KiB, upload_rate=256 * KiB)
+    seen: list[ev.Event] = []
+
+    def make(i: int, emit=ev.no_emit) -> Volunteer:
+        v = Volunteer(
+            VolunteerConfig(
+                run_id=run.spec.run_id,
+                tracker_url=run.tracker.url,
+                data_dir=tmp_path / f"volunteer-{i}",
+                seed=i,
+                max_steps=STEPS,
+                state=state,
+            ),
+            emit=emit,
+        )
+        v.record = True
+        return v
+
+    async with published_run(tmp_path, model=model, target_batch_size=64) as run:
+        early = [make(0), make(1)]
+        tasks = [asyncio.create_task(v.run()) for v in early]
+        async with asyncio.timeout(120):
+            while min(v.step for v in early) < LATE_AT:
+                await asyncio.sleep(0.1)
+        late = make(2, emit=seen.append)
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks, late.run()), 240)
+
+    caught = summaries[2].caught_up_to
+    assert caught is not None and caught >= LATE_AT, summaries[2]
+    # It trained during the download: its local sample count grew between the start and the end of it.
+    started = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateSyncStarted))
+    loaded = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateLoaded))
+    during = [e.samples for e in seen[started:loaded] if isinstance(e, ev.LocalTraining)]
+    assert len(during) >= 2 and during[-1] > during[0], during
+    # From the step it switched at, it holds exactly the others' parameters.
+    compared = 0
+    for step, params in late.param_history.items():
+        if step >= caught and step in early[0].param_history:
+            np.testing.assert_array_equal(params, early[0].param_history[step], err_msg=f"step {step}")
+            compared += 1
+    assert compared >= 2
+    # Its gradients count from the step after the switch, not before.
+    assert min(late.recorded) >= caught
+    assert late.step == early[0].step == STEPS

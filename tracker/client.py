@@ -1,0 +1,256 @@
+"""An async client of the tracker's JSON API (aiohttp; no torch), for the CLI, volunteers and tests.
+
+Errors: :class:`TrackerUnreachable` when the tracker does not answer (its message names the URL and says
+to check ``--tracker``), :class:`TrackerError` with the server's sentence and HTTP status otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+from crowdtrain.protocol.credentials import SigningKey
+from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
+from crowdtrain.protocol.limits import Limits
+from crowdtrain.protocol.messages import (
+    Credential,
+    DatasetRegistration,
+    DonorList,
+    ErrorBody,
+    Heartbeat,
+    HeartbeatReply,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    Message,
+    ReadyReply,
+    ReadyRequest,
+    RunCreate,
+    RunCreated,
+    RunList,
+    RunSpec,
+    RunStatus,
+    StateDeclare,
+    decode,
+    encode,
+)
+from crowdtrain.protocol.peerauth import sign_headers
+from crowdtrain.tracker.auth import sign_session_headers
+
+M = TypeVar("M", bound=Message)
+API = "/api/v1"
+MAX_TORRENT_BYTES = 64 << 20
+
+
+class TrackerClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 10.0,
+        admin_token: str | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise TrackerError(f"{url!r} is not a tracker URL; pass --tracker http://HOST:PORT")
+        self.url = url.rstrip("/")
+        if self.url.endswith("/announce"):
+            self.url = self.url[: -len("/announce")]
+        self.timeout_s = timeout_s
+        self.admin_token = admin_token
+        self.limits = limits or Limits(max_json_bytes=16 << 20)
+        self._session: aiohttp.ClientSession | None = None
+        # session keys from join, by credential signature: requests of a peer this client joined are
+        # authenticated with a cheap HMAC instead of an Ed25519 signature
+        self._session_keys: dict[str, tuple[str, str]] = {}
+
+    async def __aenter__(self) -> TrackerClient:
+        self._session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------ transport
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        max_bytes: int | None = None,
+    ) -> tuple[int, bytes]:
+        if self._session is None:
+            raise TrackerError("TrackerClient is not open; use it as 'async with TrackerClient(url) as c'")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        limit = self.limits.max_json_bytes if max_bytes is None else max_bytes
+        all_headers = dict(headers or {})
+        if body is not None:
+            all_headers["Content-Type"] = "application/json"
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._session.request(
+                    method, self.url + path, data=body, headers=all_headers, allow_redirects=False
+                ) as resp:
+                    if resp.content_length is not None and resp.content_length > limit:
+                        raise TrackerError(
+                            f"the tracker at {self.url} sent {resp.content_length} bytes for {path},"
+                            f" more than the limit of {limit}",
+                            resp.status,
+                        )
+                    data = await resp.content.read(limit + 1)
+                    if len(data) > limit:
+                        raise TrackerError(
+                            f"the tracker at {self.url} sent more than {limit} bytes for {path}", resp.status
+                        )
+                    status = resp.status
+        except TimeoutError:
+            raise TrackerUnreachable(
+                f"Tracker at {self.url} did not answer within {timeout:g} s; check --tracker or your network."
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise TrackerUnreachable(
+                f"Tracker at {self.url} cannot be reached ({exc}); check --tracker or your network."
+            ) from None
+        if status >= 400:
+            try:
+                message = decode(data, ErrorBody).error
+            except ProtocolError:
+                message = f"the tracker at {self.url} answered {status} to {method} {path}"
+            raise TrackerError(message, status)
+        return status, data
+
+    def _admin(self) -> dict[str, str]:
+        if not self.admin_token:
+            raise TrackerError("this needs the tracker's admin token; pass --admin-token")
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    async def _get(self, path: str, kind: type[M]) -> M:
+        _, data = await self._request("GET", path)
+        return self._decode(data, kind)
+
+    def _decode(self, data: bytes, kind: type[M]) -> M:
+        try:
+            return decode(data, kind, self.limits)
+        except ProtocolError as exc:
+            raise TrackerError(f"the tracker at {self.url} sent a malformed answer: {exc}") from None
+
+    async def _signed(
+        self,
+        run_id: str,
+        action: str,
+        msg: Message,
+        key: SigningKey,
+        credential: Credential,
+        timeout_s: float | None = None,
+        query: str = "",
+    ) -> bytes:
+        path = f"{API}/runs/{run_id}/{action}"
+        body = encode(msg)
+        digest = hashlib.sha256(body).hexdigest()
+        session = self._session_keys.get(credential.signature)
+        if session is not None:
+            headers = sign_session_headers(session[0], session[1], path, digest)
+        else:
+            headers = sign_headers(key, credential, "tracker", path, digest)
+        _, data = await self._request("POST", path + query, body, headers, timeout_s)
+        return data
+
+    # ------------------------------------------------------------ admin
+
+    async def create_run(self, create: RunCreate) -> RunCreated:
+        _, data = await self._request("POST", f"{API}/runs", encode(create), self._admin())
+        return self._decode(data, RunCreated)
+
+    async def register_dataset(self, infohash_hex: str, name: str) -> DatasetRegistration:
+        msg = DatasetRegistration(infohash=infohash_hex, name=name)
+        _, data = await self._request("POST", f"{API}/datasets", encode(msg), self._admin())
+        return self._decode(data, DatasetRegistration)
+
+    # ------------------------------------------------------------ public
+
+    async def healthz(self) -> dict[str, Any]:
+        _, data = await self._request("GET", "/healthz")
+        return msgspec.json.decode(data)
+
+    async def list_runs(self) -> RunList:
+        return await self._get(f"{API}/runs", RunList)
+
+    async def get_spec(self, run_id: str) -> RunSpec:
+        return await self._get(f"{API}/runs/{run_id}", RunSpec)
+
+    async def get_torrent(self, run_id: str) -> bytes:
+        _, data = await self._request("GET", f"{API}/runs/{run_id}/torrent", max_bytes=MAX_TORRENT_BYTES)
+        return data
+
+    async def status(self, run_id: str) -> RunStatus:
+        return await self._get(f"{API}/runs/{run_id}/status", RunStatus)
+
+    async def donors(self, run_id: str) -> DonorList:
+        return await self._get(f"{API}/runs/{run_id}/state/donors", DonorList)
+
+    async def join(self, run_id: str, request: JoinRequest) -> JoinResponse:
+        _, data = await self._request("POST", f"{API}/runs/{run_id}/join", encode(request))
+        joined = self._decode(data, JoinResponse)
+        if joined.session_key is not None:
+            self.remember_session(joined.credential, joined.session_key)
+        return joined
+
+    def remember_session(self, credential: Credential, session_key: str) -> None:
+        """Authenticate this credential's tracker requests with ``session_key`` (from its JoinResponse)."""
+        header = base64.urlsafe_b64encode(encode(credential)).decode()
+        self._session_keys[credential.signature] = (session_key, header)
+
+    # ------------------------------------------------------------ a joined volunteer
+
+    async def heartbeat(
+        self, run_id: str, heartbeat: Heartbeat, key: SigningKey, credential: Credential
+    ) -> HeartbeatReply:
+        data = await self._signed(run_id, "heartbeat", heartbeat, key, credential)
+        return self._decode(data, HeartbeatReply)
+
+    async def ready(
+        self,
+        run_id: str,
+        request: ReadyRequest,
+        key: SigningKey,
+        credential: Credential,
+        wait_s: float = 20.0,
+    ) -> ReadyReply:
+        """Long-poll until the step's group is formed, or ``wait_s`` (capped by the tracker) passed."""
+        data = await self._signed(
+            run_id,
+            "ready",
+            request,
+            key,
+            credential,
+            timeout_s=wait_s + self.timeout_s,
+            query=f"?wait_s={wait_s:g}",
+        )
+        return self._decode(data, ReadyReply)
+
+    async def leave(
+        self, run_id: str, request: LeaveRequest, key: SigningKey, credential: Credential
+    ) -> None:
+        await self._signed(run_id, "leave", request, key, credential)
+
+    async def declare_state(
+        self, run_id: str, declare: StateDeclare, key: SigningKey, credential: Credential
+    ) -> None:
+        await self._signed(run_id, "state", declare, key, credential)

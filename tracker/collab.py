@@ -1,0 +1,332 @@
+"""One run's live collaboration: its volunteers, the global step (DeDLOC), matchmaking, state donors.
+
+The rules volunteers rely on:
+
+* Each run has a durable ``global_step`` (starts at 0). Peers heartbeat ``(step, samples)``; the tracker
+  sums the samples of online peers whose ``step == global_step``.
+* The step *closes* when that sum reaches ``target_batch_size``, or when ``averaging.step_timeout_s``
+  passed since it opened and at least ``averaging.min_group_size`` peers reported samples > 0.
+  Heartbeat replies then say ``step_closed=True``.
+* Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
+  the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
+  passed, partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
+  :class:`GroupAssignment` per group, answers every waiting call, records the step in the durable
+  history and advances ``global_step`` to N + 1.
+* A ready call for a step that already formed returns the same assignment to a member of it, and
+  ``missed`` (with the current global step) to anyone else.
+* Peers silent for ``peer_ttl_s`` expire.
+
+Aggregates (samples toward the step, contributors, run-wide rate) are kept incrementally so a heartbeat
+costs O(1) whatever the number of peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from crowdtrain.protocol.credentials import SigningKey, sign_assignment
+from crowdtrain.protocol.messages import (
+    Donor,
+    DonorList,
+    GroupAssignment,
+    GroupMember,
+    Heartbeat,
+    PeerStatus,
+    ReadyReply,
+    RunSpec,
+    StateVersion,
+    StepRecord,
+)
+from crowdtrain.tracker.matchmaking import Candidate, partition
+from crowdtrain.tracker.store import Store
+
+KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+
+
+@dataclass(slots=True)
+class Peer:
+    peer_id: str
+    public_key: str
+    address: str | None  # declared "host:port", None for client mode
+    reachable: bool = False  # the tracker reached ``address`` with GET /v1/ping
+    checking: bool = False  # a reachability check is under way
+    checks: int = 0  # reachability checks done for the current address
+    checked_at: float = 0.0  # monotonic time of the last check
+    step: int = -1
+    samples: int = 0
+    samples_per_s: float = 0.0
+    chunks_held: int = 0
+    loss: float | None = None
+    last_seen: float = 0.0  # monotonic
+    state: StateVersion | None = None
+
+
+class RunState:
+    def __init__(self, spec: RunSpec, global_step: int, store: Store, signer: SigningKey) -> None:
+        self.spec = spec
+        self.run_id = spec.run_id
+        self.global_step = global_step
+        self.store = store
+        self.signer = signer
+        self.peers: dict[str, Peer] = {}
+        self.opened_at = time.time()
+        self.closed_at: float | None = None
+        self.step_samples = 0
+        self.step_contributors = 0
+        self.rate_sum = 0.0
+        self.ready: dict[str, int] = {}
+        self.pending: set[str] = set()
+        self.formed: OrderedDict[int, dict[str, GroupAssignment]] = OrderedDict()
+        self.changed = asyncio.Event()
+        self.stopping = False
+        self.on_formed: list[Callable[[StepRecord, list[int]], None]] = []  # e.g. metrics
+
+    def stop(self) -> None:
+        """The tracker is shutting down: answer every waiting ready call with "wait" now."""
+        self.stopping = True
+        self.changed.set()
+
+    # ------------------------------------------------------------ aggregates
+
+    def _unaccount(self, peer: Peer) -> None:
+        self.rate_sum -= peer.samples_per_s
+        if peer.step == self.global_step:
+            self.step_samples -= peer.samples
+            self.step_contributors -= peer.samples > 0
+
+    def _account(self, peer: Peer) -> None:
+        self.rate_sum += peer.samples_per_s
+        if peer.step == self.global_step:
+            self.step_samples += peer.samples
+            self.step_contributors += peer.samples > 0
+
+    def _recount(self) -> None:
+        self.step_samples = self.step_contributors = 0
+        self.rate_sum = 0.0
+        for peer in self.peers.values():
+            self._account(peer)
+
+    # ------------------------------------------------------------ membership
+
+    def add(self, peer: Peer) -> None:
+        old = self.peers.get(peer.peer_id)
+        if old is not None:
+            self._unaccount(old)
+        peer.last_seen = time.monotonic()
+        self.peers[peer.peer_id] = peer
+        self._account(peer)
+
+    def remove(self, peer_id: str) -> bool:
+        peer = self.peers.pop(peer_id, None)
+        if peer is None:
+            return False
+        self._unaccount(peer)
+        self.pending.discard(peer_id)
+        self.ready.pop(peer_id, None)
+        return True
+
+    def expire(self, ttl_s: float) -> int:
+        before = time.monotonic() - ttl_s
+        stale = [p.peer_id for p in self.peers.values() if p.last_seen < before]
+        for peer_id in stale:
+            self.remove(peer_id)
+        if stale:
+            self.maybe_form(time.time())
+        return len(stale)
+
+    def heartbeat(self, peer: Peer, hb: Heartbeat) -> None:
+        self._unaccount(peer)
+        peer.step = hb.step
+        peer.samples = hb.samples
+        peer.samples_per_s = hb.samples_per_s
+        peer.chunks_held = hb.chunks_held
+        peer.loss = hb.loss
+        peer.last_seen = time.monotonic()
+        self._account(peer)
+        if self.closed_at is not None and peer.step == self.global_step and peer.peer_id not in self.ready:
+            self.pending.add(peer.peer_id)
+        self.maybe_close(time.time())
+
+    # ------------------------------------------------------------ progress
+
+    @property
+    def target(self) -> int:
+        return self.spec.target_batch_size
+
+    def eta_s(self) -> float | None:
+        if self.closed_at is not None:
+            return 0.0
+        if self.rate_sum <= 0:
+            return None
+        return max(0.0, (self.target - self.step_samples) / self.rate_sum)
+
+    def maybe_close(self, now: float) -> None:
+        if self.closed_at is not None:
+            return
+        timed_out = now - self.opened_at >= self.spec.averaging.step_timeout_s
+        if self.step_samples >= self.target or (
+            timed_out and self.step_contributors >= self.spec.averaging.min_group_size
+        ):
+            self.closed_at = now
+            self.pending = {
+                p.peer_id
+                for p in self.peers.values()
+                # peers of the previous step are on their way here (their heartbeat may lag the step)
+                if p.step in (self.global_step, self.global_step - 1) and p.peer_id not in self.ready
+            }
+            self.maybe_form(now)
+
+    def maybe_form(self, now: float) -> None:
+        if self.closed_at is None:
+            return
+        if self.pending and now < self.closed_at + self.spec.averaging.gather_s:
+            return
+        self.form(now)
+
+    def tick(self, now: float) -> None:
+        self.maybe_close(now)
+        self.maybe_form(now)
+
+    def form(self, now: float) -> None:
+        """Partition the ready peers of the closed step, sign their groups, advance the global step."""
+        step = self.global_step
+        avg = self.spec.averaging
+        seed = secrets.randbits(63)
+        candidates = [Candidate(pid, self._owns_part(pid)) for pid in self.ready if pid in self.peers]
+        groups = partition(candidates, avg.group_size, seed)
+        deadline = now + avg.round_timeout_s
+        average_params = avg.average_state_every > 0 and (step + 1) % avg.average_state_every == 0
+        assignments: dict[str, GroupAssignment] = {}
+        for index, group in enumerate(groups):
+            part_of = {pid: i for i, pid in enumerate(group.owners)}
+            members = [
+                GroupMember(
+                    peer_id=pid,
+                    address=self.peers[pid].address if pid in part_of else None,
+                    public_key=self.peers[pid].public_key,
+                    weight=self.ready[pid],
+                    part=part_of.get(pid, -1),
+                )
+                for pid in group.members
+            ]
+            assignment = sign_assignment(
+                self.signer,
+                GroupAssignment(
+                    run_id=self.run_id,
+                    round_id=f"{self.run_id}.{step}.{index}.{seed:016x}",
+                    step=step,
+                    members=members,
+                    parts=len(group.owners),
+                    average_params=average_params,
+                    deadline=deadline,
+                    seed=seed,
+                    signature="",
+                ),
+            )
+            for pid in group.members:
+                assignments[pid] = assignment
+        record = StepRecord(
+            step=step,
+            closed_at=self.closed_at if self.closed_at is not None else now,
+            duration_s=max(0.0, now - self.opened_at),
+            samples=self.step_samples,
+            peers=len(candidates),
+            groups=len(groups),
+            seed=seed,
+        )
+        self.store.close_step(self.run_id, record)
+        self.formed[step] = assignments
+        while len(self.formed) > KEEP_FORMED_STEPS:
+            self.formed.popitem(last=False)
+        self.global_step = step + 1
+        self.opened_at = now
+        self.closed_at = None
+        self.ready = {}
+        self.pending = set()
+        self._recount()
+        for callback in self.on_formed:
+            callback(record, [len(g.members) for g in groups])
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def _owns_part(self, peer_id: str) -> bool:
+        peer = self.peers[peer_id]
+        return peer.reachable and peer.address is not None
+
+    async def wait_ready(self, peer_id: str, step: int, weight: int, long_poll_s: float) -> ReadyReply:
+        """The long-poll behind ``POST /ready``; bounded by ``long_poll_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + long_poll_s
+        while True:
+            if self.stopping:
+                return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=1.0)
+            if step < self.global_step:
+                assignment = self.formed.get(step, {}).get(peer_id)
+                if assignment is not None:
+                    return ReadyReply(status="group", global_step=self.global_step, assignment=assignment)
+                return ReadyReply(status="missed", global_step=self.global_step)
+            if step == self.global_step:
+                self.ready[peer_id] = weight
+                self.pending.discard(peer_id)
+                self.maybe_form(time.time())
+                if step < self.global_step:
+                    continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                if step == self.global_step and self.closed_at is None:
+                    # not listening any more: do not put it in a group unless it asks again
+                    self.ready.pop(peer_id, None)
+                return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=0.0)
+            changed = self.changed
+            try:
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ views
+
+    def peer_statuses(self, limit: int = 100) -> list[PeerStatus]:
+        peers = sorted(self.peers.values(), key=lambda p: p.samples_per_s, reverse=True)[:limit]
+        return [
+            PeerStatus(
+                peer_id=p.peer_id,
+                step=p.step,
+                samples=p.samples,
+                samples_per_s=p.samples_per_s,
+                client_mode=not self._owns_part(p.peer_id),
+                chunks_held=p.chunks_held,
+                loss=p.loss,
+            )
+            for p in peers
+        ]
+
+    def donors(self, limit: int = 64) -> DonorList:
+        """Donors of the newest declared state: highest step, then the content hash most peers hold."""
+        serving = [p for p in self.peers.values() if p.state is not None and self._owns_part(p.peer_id)]
+        if not serving:
+            return DonorList(state=None, donors=[])
+        top = max(p.state.step for p in serving if p.state is not None)
+        counts = Counter(
+            (p.state.content_hash, p.state.size)
+            for p in serving
+            if p.state is not None and p.state.step == top
+        )
+        (content_hash, size), _ = counts.most_common(1)[0]
+        chosen = [
+            p
+            for p in serving
+            if p.state is not None and p.state.step == top and p.state.content_hash == content_hash
+        ]
+        return DonorList(
+            state=StateVersion(step=top, content_hash=content_hash, size=size),
+            donors=[
+                Donor(peer_id=p.peer_id, address=p.address or "", public_key=p.public_key)
+                for p in chosen[:limit]
+            ],
+        )

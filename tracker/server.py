@@ -1,0 +1,698 @@
+"""The tracker's HTTP service (aiohttp): routes, error translation, background upkeep, ``serve()``.
+
+Routes::
+
+    GET  /announce, /scrape                       BitTorrent (bencoded; errors as ``failure reason``)
+    GET  /healthz, /metrics
+    POST /api/v1/datasets                         admin: register an info-hash for /announce
+    POST /api/v1/runs                             admin: RunCreate -> RunCreated
+    GET  /api/v1/runs, /api/v1/runs/{id}, /api/v1/runs/{id}/torrent, /api/v1/runs/{id}/status
+    POST /api/v1/runs/{id}/join                   JoinRequest -> JoinResponse (join token if private)
+    POST /api/v1/runs/{id}/heartbeat|ready|leave|state    signed by the volunteer (peerauth)
+    GET  /api/v1/runs/{id}/state/donors
+
+Errors are an :class:`ErrorBody` with a sentence and a 4xx status; anything unexpected is logged with its
+traceback and answered with a generic 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, web
+from crowdtrain.protocol import bencode
+from crowdtrain.protocol.credentials import SigningKey, issue_credential
+from crowdtrain.protocol.errors import AuthError, CrowdtrainError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.limits import Limits
+from crowdtrain.protocol.messages import (
+    HEX40,
+    HEX64,
+    DatasetRegistration,
+    ErrorBody,
+    Heartbeat,
+    HeartbeatReply,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    Message,
+    ReadyRequest,
+    RunCreate,
+    RunCreated,
+    RunList,
+    RunSpec,
+    RunStatus,
+    RunSummary,
+    StateDeclare,
+    decode,
+    encode,
+)
+from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
+from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
+from crowdtrain.tracker.collab import Peer, RunState
+from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.metrics import Metrics
+from crowdtrain.tracker.store import Store
+from crowdtrain.tracker.swarm import Swarms
+
+log = logging.getLogger("crowdtrain.tracker")
+
+RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+JSON = "application/json"
+MAX_INT = 2**53
+SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
+RECHECK_S = 10.0  # an unreachable declared address is checked again this often (on heartbeats)
+
+
+class ApiError(CrowdtrainError):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def _json(msg: Message, status: int = 200) -> web.Response:
+    return web.Response(body=encode(msg), status=status, content_type=JSON)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json(ErrorBody(error=message), status)
+
+
+def _slug(name: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
+    return slug or "run"
+
+
+def parse_address(address: str, remote: str | None) -> str:
+    """Validate a declared ``host:port``; an unspecified host (``0.0.0.0``, ``::``, empty) becomes the
+    address the request came from."""
+    if len(address) > 300:
+        raise ApiError(400, "address is longer than 300 characters")
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
+        raise ApiError(400, f"address {address!r} must be host:port with a port between 1 and 65535")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        if not remote:
+            raise ApiError(400, f"address {address!r} has no host and the connection's address is unknown")
+        host = f"[{remote}]" if ":" in remote else remote
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise ApiError(400, f"address {address!r} has an invalid host")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ApiError(400, f"address {address!r}: write an IPv6 host in brackets, e.g. [::1]:8000")
+    return f"{host}:{int(port_text)}"
+
+
+class TokenBucket:
+    """Per-client-IP rate limit (joins)."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.state: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        tokens, last = self.state.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens < 1:
+            self.state[key] = (tokens, now)
+            return False
+        if len(self.state) > 100_000:
+            self.state.clear()
+        self.state[key] = (tokens - 1, now)
+        return True
+
+
+class Tracker:
+    """A running tracker. Build it with :func:`serve`."""
+
+    def __init__(self, config: TrackerConfig, tasks: asyncio.TaskGroup) -> None:
+        self.config = config
+        self._tasks = tasks
+        self.store = Store(config.db)
+        self.signer = SigningKey.from_bytes(
+            self.store.get_or_set_meta("tracker_key", SigningKey().private_bytes())
+        )
+        self.public_key = self.signer.public_hex
+        if config.admin_token is not None:
+            self.store.set_meta("admin_token", config.admin_token.encode())
+            self.admin_token = config.admin_token
+        else:
+            self.admin_token = self.store.get_or_set_meta(
+                "admin_token", secrets.token_urlsafe(24).encode()
+            ).decode()
+        self.limits = Limits(max_json_bytes=config.max_body_bytes)
+        self.metrics = Metrics()
+        self.auth = PeerAuth(
+            self.public_key, self.store.get_or_set_meta("session_secret", secrets.token_bytes(32))
+        )
+        self.join_limit = TokenBucket(config.join_rate_per_s, config.join_burst)
+        self.runs: dict[str, RunState] = {}
+        self.torrents: dict[str, bytes] = {}
+        self.join_tokens: dict[str, str | None] = {}
+        self.registered: set[bytes] = {bytes.fromhex(h) for h in self.store.datasets()}
+        self.swarms = Swarms(config.max_swarm_peers)
+        for stored in self.store.runs():
+            self._add_run_state(stored.spec, stored.global_step)
+            self.torrents[stored.spec.run_id] = stored.torrent
+            self.join_tokens[stored.spec.run_id] = stored.join_token_hash
+        self.metrics.bind(self)
+        self._stop = asyncio.Event()
+        self._checks: set[asyncio.Task[None]] = set()
+        self._check_slots = asyncio.Semaphore(config.reachability_concurrency)
+        self._http: ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.announce_url = ""
+        self.port = 0
+
+    def _add_run_state(self, spec: RunSpec, global_step: int) -> RunState:
+        run = RunState(spec, global_step, self.store, self.signer)
+        run.on_formed.append(self.metrics.step_formed)
+        self.runs[spec.run_id] = run
+        return run
+
+    # ------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
+        r = app.router
+        r.add_get("/announce", self.announce)
+        r.add_get("/scrape", self.scrape)
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/metrics", self.metrics_page)
+        r.add_post("/api/v1/datasets", self.register_dataset)
+        r.add_post("/api/v1/runs", self.create_run)
+        r.add_get("/api/v1/runs", self.list_runs)
+        r.add_get("/api/v1/runs/{run_id}", self.get_spec)
+        r.add_get("/api/v1/runs/{run_id}/torrent", self.get_torrent)
+        r.add_get("/api/v1/runs/{run_id}/status", self.get_status)
+        r.add_post("/api/v1/runs/{run_id}/join", self.join)
+        r.add_post("/api/v1/runs/{run_id}/heartbeat", self.heartbeat)
+        r.add_post("/api/v1/runs/{run_id}/ready", self.ready)
+        r.add_post("/api/v1/runs/{run_id}/leave", self.leave)
+        r.add_post("/api/v1/runs/{run_id}/state", self.declare_state)
+        r.add_get("/api/v1/runs/{run_id}/state/donors", self.donors)
+        return app
+
+    async def start(self) -> None:
+        self._http = ClientSession(timeout=ClientTimeout(total=self.config.reachability_timeout_s))
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_DRAIN_S
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        self.url = f"http://{host}:{self.port}"
+        base = (self.config.public_url or self.url).rstrip("/")
+        self.announce_url = base + "/announce"
+        self._tasks.create_task(self._upkeep())
+        effective = {k: v for k, v in asdict(self.config).items() if k != "admin_token"}
+        log.info("tracker listening on %s (runs: %d) config: %s", self.url, len(self.runs), effective)
+
+    async def close(self) -> None:
+        self._stop.set()
+        for task in list(self._checks):
+            task.cancel()
+        for run in self.runs.values():  # long-polls answer "wait" now instead of holding the shutdown
+            run.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._http is not None:
+            await self._http.close()
+        self.store.close()
+
+    async def _upkeep(self) -> None:
+        """Close steps on their timeout, form groups after the gather window, expire silent peers."""
+        last_expiry = 0.0
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await self._stop.wait()
+            now = time.time()
+            expire = time.monotonic() - last_expiry >= min(1.0, self.config.peer_ttl_s / 4)
+            for run in self.runs.values():
+                try:
+                    if expire:
+                        run.expire(self.config.peer_ttl_s)
+                    run.tick(now)
+                except Exception:
+                    log.exception("upkeep of run %s failed", run.run_id)
+            if expire:
+                last_expiry = time.monotonic()
+                self.swarms.expire(self.config.swarm_ttl_s)
+
+    # ------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            response = _error(exc.status, str(exc))
+        except LimitExceeded as exc:
+            response = _error(413, str(exc))
+        except ProtocolError as exc:
+            response = _error(400, str(exc))
+        except AdminAuthError as exc:
+            response = _error(401 if "needs" in str(exc) else 403, str(exc))
+        except AuthError as exc:
+            response = _error(401, str(exc))
+        except web.HTTPRequestEntityTooLarge:
+            response = _error(
+                413, f"request body is larger than the tracker's limit of {self.config.max_body_bytes} bytes"
+            )
+        except web.HTTPNotFound:
+            response = _error(404, f"no such endpoint: {request.method} {request.path}")
+        except web.HTTPMethodNotAllowed as exc:
+            response = _error(
+                405,
+                f"{request.method} is not allowed on {request.path}; use {', '.join(sorted(exc.allowed_methods))}",
+            )
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("unexpected error answering %s %s", request.method, request.path)
+            response = _error(500, "internal error in the tracker; its log has the details")
+        self.metrics.request(route, response.status)
+        return response
+
+    async def _body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self.config.max_body_bytes:
+            raise ApiError(
+                413, f"request body is larger than the tracker's limit of {self.config.max_body_bytes} bytes"
+            )
+        return await request.read()
+
+    def _run(self, request: web.Request) -> RunState:
+        run_id = request.match_info["run_id"]
+        run = self.runs.get(run_id) if RUN_ID.match(run_id) else None
+        if run is None:
+            raise ApiError(
+                404, f"there is no run {run_id[:80]!r} on this tracker; list runs with GET /api/v1/runs"
+            )
+        return run
+
+    async def _signed(self, request: web.Request, kind: type[Any]) -> tuple[RunState, Any, str]:
+        """A volunteer's request: run, decoded body, the credential's peer id (checked against the body)."""
+        run = self._run(request)
+        body = await self._body(request)
+        credential = self.auth.check(
+            request.headers, run.run_id, request.path, hashlib.sha256(body).hexdigest()
+        )
+        msg = decode(body, kind, self.limits)
+        if msg.peer_id != credential.peer_id:
+            raise AuthError(f"credential is for peer {credential.peer_id}, not {msg.peer_id}")
+        return run, msg, credential.public_key
+
+    def _known(self, run: RunState, peer_id: str) -> Peer:
+        peer = run.peers.get(peer_id)
+        if peer is None:
+            raise ApiError(
+                404, f"peer {peer_id} is not registered in run {run.run_id}; send a heartbeat or join again"
+            )
+        return peer
+
+    def _check_reachable(self, run: RunState, peer: Peer) -> None:
+        """Check the declared address off the request path (at join, on a change, and while it fails:
+        at the next heartbeat, then every ``RECHECK_S``; a peer server may learn its id only after join)."""
+        if peer.address is None or peer.checking:
+            return
+        peer.checking = True
+        peer.checks += 1
+        peer.checked_at = time.monotonic()
+        task = self._tasks.create_task(self._ping(run, peer, peer.address))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _ping(self, run: RunState, peer: Peer, address: str) -> None:
+        assert self._http is not None
+        ok = False
+        async with self._check_slots:
+            try:
+                async with asyncio.timeout(self.config.reachability_timeout_s):
+                    async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
+                        if resp.status == 200:
+                            body = await resp.content.read(4096)
+                            reply = json.loads(body)
+                            ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
+            except Exception as exc:  # any failure (refused, timeout, bad JSON) means unreachable
+                log.debug("peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
+        peer.checking = False
+        if peer.address == address and run.peers.get(peer.peer_id) is peer:
+            peer.reachable = ok
+            if not ok:
+                log.info(
+                    "peer %s declared %s but did not answer GET /v1/ping; client mode", peer.peer_id, address
+                )
+
+    # ------------------------------------------------------------ BitTorrent
+
+    async def announce(self, request: web.Request) -> web.Response:
+        self.metrics.announces.inc()
+        try:
+            req = parse_announce(request.rel_url.raw_query_string, self.config.max_numwant)
+            if not self.config.open and req.info_hash not in self.registered:
+                raise AnnounceError(f"info_hash {req.info_hash.hex()} is not registered with this tracker")
+            body = answer_announce(
+                req,
+                request.remote or "",
+                self.swarms,
+                self.config.announce_interval_s,
+                self.config.min_announce_interval_s,
+                self.config.max_swarm_peers,
+            )
+        except ProtocolError as exc:
+            self.metrics.announce_errors.inc()
+            body = failure(str(exc))
+        return web.Response(body=body, content_type="text/plain")
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        try:
+            body = answer_scrape(
+                request.rel_url.raw_query_string, self.swarms, None if self.config.open else self.registered
+            )
+        except ProtocolError as exc:
+            body = failure(str(exc))
+        return web.Response(body=body, content_type="text/plain")
+
+    # ------------------------------------------------------------ service
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "runs": len(self.runs)})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    # ------------------------------------------------------------ admin
+
+    async def register_dataset(self, request: web.Request) -> web.Response:
+        check_admin(request.headers, self.admin_token)
+        msg = decode(await self._body(request), DatasetRegistration, self.limits)
+        if not HEX40.match(msg.infohash):
+            raise ApiError(400, f"infohash must be 40 lowercase hex characters, got {msg.infohash[:80]!r}")
+        if not msg.name or len(msg.name) > 200:
+            raise ApiError(400, "name must be 1 to 200 characters long")
+        self.store.add_dataset(msg.infohash, msg.name)
+        self.registered.add(bytes.fromhex(msg.infohash))
+        return _json(msg, 201)
+
+    async def create_run(self, request: web.Request) -> web.Response:
+        check_admin(request.headers, self.admin_token)
+        msg = decode(await self._body(request), RunCreate, self.limits)
+        torrent = self._validate_create(msg)
+        run_id = f"{_slug(msg.name)}-{secrets.token_hex(3)}"
+        spec = RunSpec(
+            run_id=run_id,
+            name=msg.name,
+            model=msg.model,
+            dataset=msg.dataset,
+            optimizer=msg.optimizer,
+            schedule=msg.schedule,
+            target_batch_size=msg.target_batch_size,
+            micro_batch_size=msg.micro_batch_size,
+            averaging=msg.averaging,
+            join_policy=msg.join_policy,
+            tracker_public_key=self.public_key,
+            seed=msg.seed,
+            created_at=time.time(),
+        )
+        token_hash = (
+            hashlib.sha256(msg.join_token.encode()).hexdigest()
+            if msg.join_policy == "token" and msg.join_token
+            else None
+        )
+        self.store.add_run(spec, torrent, token_hash)
+        self.registered.add(bytes.fromhex(spec.dataset.infohash))
+        self._add_run_state(spec, 0)
+        self.torrents[run_id] = torrent
+        self.join_tokens[run_id] = token_hash
+        log.info("run %s (%s) created", run_id, spec.name)
+        return _json(RunCreated(run_id=run_id, spec=spec), 201)
+
+    def _validate_create(self, msg: RunCreate) -> bytes:
+        def bad(field: str, problem: str) -> ApiError:
+            return ApiError(400, f"RunCreate: {field} {problem}")
+
+        if not msg.name or len(msg.name) > 200:
+            raise bad("name", "must be 1 to 200 characters long")
+        if not msg.model.recipe or len(msg.model.recipe) > 200:
+            raise bad("model.recipe", "must be 1 to 200 characters long")
+        if not HEX64.match(msg.model.param_hash):
+            raise bad(
+                "model.param_hash",
+                "must be the 64-hex-character parameter hash of the recipe with these args",
+            )
+        if not HEX40.match(msg.dataset.infohash):
+            raise bad("dataset.infohash", "must be 40 lowercase hex characters (a v1 info-hash)")
+        for field, value, lo in (
+            ("target_batch_size", msg.target_batch_size, 1),
+            ("micro_batch_size", msg.micro_batch_size, 1),
+            ("averaging.group_size", msg.averaging.group_size, 2),
+            ("averaging.min_group_size", msg.averaging.min_group_size, 1),
+            ("averaging.average_state_every", msg.averaging.average_state_every, 0),
+            ("schedule.total_steps", msg.schedule.total_steps, 1),
+            ("schedule.warmup_steps", msg.schedule.warmup_steps, 0),
+        ):
+            if not lo <= value <= MAX_INT:
+                raise bad(field, f"must be at least {lo}, got {value}")
+        for field, fvalue in (
+            ("averaging.round_timeout_s", msg.averaging.round_timeout_s),
+            ("averaging.gather_s", msg.averaging.gather_s),
+            ("averaging.step_timeout_s", msg.averaging.step_timeout_s),
+            ("optimizer.lr", msg.optimizer.lr),
+        ):
+            if not (math.isfinite(fvalue) and fvalue > 0):
+                raise bad(field, f"must be a positive number, got {fvalue}")
+        if msg.join_policy == "token" and not msg.join_token:
+            raise bad("join_token", "is required when join_policy is 'token'")
+        try:
+            torrent = base64.b64decode(msg.torrent, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad("torrent", "is not valid base64") from None
+        try:
+            infohash = bencode.infohash_v1(torrent)
+        except ProtocolError as exc:
+            raise bad("torrent", f"is not a .torrent file ({exc})") from None
+        if infohash != msg.dataset.infohash:
+            raise bad(
+                "dataset.infohash",
+                f"is {msg.dataset.infohash} but the torrent's info-hash is {infohash}",
+            )
+        return torrent
+
+    # ------------------------------------------------------------ runs (public)
+
+    async def list_runs(self, request: web.Request) -> web.Response:
+        return _json(
+            RunList(
+                runs=[
+                    RunSummary(
+                        run_id=r.run_id,
+                        name=r.spec.name,
+                        global_step=r.global_step,
+                        peers_online=len(r.peers),
+                        created_at=r.spec.created_at,
+                    )
+                    for r in self.runs.values()
+                ]
+            )
+        )
+
+    async def get_spec(self, request: web.Request) -> web.Response:
+        return _json(self._run(request).spec)
+
+    async def get_torrent(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        return web.Response(
+            body=self.torrents[run.run_id],
+            content_type="application/x-bittorrent",
+            headers={"Content-Disposition": f'attachment; filename="{run.run_id}.torrent"'},
+        )
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        return _json(
+            RunStatus(
+                run_id=run.run_id,
+                name=run.spec.name,
+                global_step=run.global_step,
+                samples=run.step_samples,
+                target=run.target,
+                eta_s=run.eta_s(),
+                peers_online=len(run.peers),
+                samples_per_s=run.rate_sum,
+                peers=run.peer_statuses(),
+                recent_steps=self.store.history(run.run_id),
+            )
+        )
+
+    # ------------------------------------------------------------ volunteers
+
+    async def join(self, request: web.Request) -> web.Response:
+        run = self._run(request)
+        if not self.join_limit.allow(request.remote or ""):
+            raise ApiError(429, "too many joins from your address; wait a few seconds and try again")
+        msg = decode(await self._body(request), JoinRequest, self.limits)
+        token_hash = self.join_tokens.get(run.run_id)
+        if run.spec.join_policy == "token":
+            if not msg.token:
+                raise ApiError(401, f"run {run.run_id} is private; pass its join token (--token)")
+            if token_hash is None or not hmac.compare_digest(
+                hashlib.sha256(msg.token.encode()).hexdigest(), token_hash
+            ):
+                raise ApiError(403, f"the join token for run {run.run_id} is wrong")
+        if not HEX64.match(msg.public_key):
+            raise ApiError(400, "JoinRequest: public_key must be 64 lowercase hex characters (Ed25519)")
+        if len(msg.device) > 100 or len(msg.client_version) > 100:
+            raise ApiError(400, "JoinRequest: device and client_version must be at most 100 characters")
+        if len(run.peers) >= self.config.max_peers_per_run:
+            raise ApiError(503, f"run {run.run_id} has {len(run.peers)} peers, its limit; try again later")
+        address = None if msg.address is None else parse_address(msg.address, request.remote)
+        peer_id = secrets.token_hex(8)
+        credential = issue_credential(
+            self.signer, run.run_id, peer_id, msg.public_key, self.config.credential_ttl_s
+        )
+        self.auth.remember(credential)
+        peer = Peer(peer_id=peer_id, public_key=msg.public_key, address=address)
+        run.add(peer)
+        self._check_reachable(run, peer)
+        return _json(
+            JoinResponse(
+                peer_id=peer_id,
+                credential=credential,
+                global_step=run.global_step,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                peer_ttl_s=self.config.peer_ttl_s,
+                session_key=self.auth.session_key_for(credential),
+            )
+        )
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        run, hb, public_key = await self._signed(request, Heartbeat)
+        if not (0 <= hb.step <= MAX_INT and 0 <= hb.samples <= MAX_INT and 0 <= hb.chunks_held <= MAX_INT):
+            raise ApiError(400, "Heartbeat: step, samples and chunks_held must be non-negative integers")
+        if not (math.isfinite(hb.samples_per_s) and 0 <= hb.samples_per_s <= 1e12):
+            raise ApiError(400, "Heartbeat: samples_per_s must be a finite non-negative number")
+        if hb.loss is not None and not math.isfinite(hb.loss):
+            raise ApiError(400, "Heartbeat: loss must be a finite number")
+        address = None if hb.address is None else parse_address(hb.address, request.remote)
+        peer = run.peers.get(hb.peer_id)
+        if peer is None:  # after a tracker restart or an expiry: the signed credential re-registers it
+            if len(run.peers) >= self.config.max_peers_per_run:
+                raise ApiError(
+                    503, f"run {run.run_id} has {len(run.peers)} peers, its limit; try again later"
+                )
+            peer = Peer(peer_id=hb.peer_id, public_key=public_key, address=address)
+            run.add(peer)
+            self._check_reachable(run, peer)
+            log.info("peer %s re-registered in run %s by its heartbeat", peer.peer_id, run.run_id)
+        elif address != peer.address:
+            peer.address = address
+            peer.reachable = False
+            peer.checks = 0
+            self._check_reachable(run, peer)
+        elif (
+            address is not None
+            and not peer.reachable
+            and (peer.checks < 2 or time.monotonic() - peer.checked_at >= RECHECK_S)
+        ):
+            self._check_reachable(run, peer)
+        run.heartbeat(peer, hb)
+        return _json(
+            HeartbeatReply(
+                global_step=run.global_step,
+                samples=run.step_samples,
+                target=run.target,
+                peers_online=len(run.peers),
+                samples_per_s=run.rate_sum,
+                eta_s=run.eta_s(),
+                step_closed=run.closed_at is not None,
+                reachable=peer.reachable,
+            )
+        )
+
+    async def ready(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, ReadyRequest)
+        if not (0 <= msg.step <= MAX_INT and 0 <= msg.weight <= MAX_INT):
+            raise ApiError(400, "ReadyRequest: step and weight must be non-negative integers")
+        peer = self._known(run, msg.peer_id)
+        peer.last_seen = time.monotonic()
+        wait_s = self.config.long_poll_s
+        raw_wait = request.query.get("wait_s")
+        if raw_wait is not None:
+            try:
+                wait_s = min(wait_s, max(0.0, float(raw_wait)))
+            except ValueError:
+                raise ApiError(400, "wait_s must be a number of seconds") from None
+            if not math.isfinite(wait_s):
+                raise ApiError(400, "wait_s must be a number of seconds")
+        reply = await run.wait_ready(msg.peer_id, msg.step, msg.weight, wait_s)
+        if run.peers.get(msg.peer_id) is peer:
+            peer.last_seen = time.monotonic()
+        return _json(reply)
+
+    async def leave(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, LeaveRequest)
+        if not run.remove(msg.peer_id):
+            raise ApiError(404, f"peer {msg.peer_id} is not registered in run {run.run_id}")
+        run.maybe_form(time.time())
+        return web.Response(status=204)
+
+    async def declare_state(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, StateDeclare)
+        state = msg.state
+        if not HEX64.match(state.content_hash):
+            raise ApiError(
+                400, "StateDeclare: state.content_hash must be 64 lowercase hex characters (sha256)"
+            )
+        if not (0 <= state.step <= MAX_INT and 0 <= state.size <= 1 << 42):
+            raise ApiError(400, "StateDeclare: state.step and state.size must be non-negative and bounded")
+        peer = self._known(run, msg.peer_id)
+        if peer.address is None:
+            raise ApiError(
+                400, "only a peer with a reachable address can serve state; declare an address in heartbeats"
+            )
+        peer.state = state
+        peer.last_seen = time.monotonic()
+        return web.Response(status=204)
+
+    async def donors(self, request: web.Request) -> web.Response:
+        return _json(self._run(request).donors())
+
+
+@contextlib.asynccontextmanager
+async def serve(config: TrackerConfig) -> AsyncIterator[Tracker]:
+    """Run a tracker until the block exits; yields it with ``url``, ``announce_url``, ``admin_token``."""
+    async with asyncio.TaskGroup() as tasks:
+        tracker = Tracker(config, tasks)
+        try:
+            await tracker.start()
+            yield tracker
+        finally:
+            await tracker.close()

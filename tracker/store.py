@@ -1,0 +1,133 @@
+"""Durable tracker state in SQLite (WAL): its key and admin token, data sets, runs, step history.
+
+Live peer tables are in memory (:mod:`crowdtrain.tracker.collab`, :mod:`crowdtrain.tracker.swarm`) and
+are rebuilt from heartbeats and announces after a restart. Writes are small and rare (a run created, a
+step closed), so they run on the event loop's thread with ``synchronous=NORMAL``: a process crash loses
+nothing that was committed.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from crowdtrain.protocol.messages import RunSpec, StepRecord, decode, encode
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS datasets (
+    infohash TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, spec BLOB NOT NULL, torrent BLOB NOT NULL, join_token_hash TEXT,
+    global_step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS steps (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
+    samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step));
+"""
+
+
+@dataclass(slots=True)
+class StoredRun:
+    spec: RunSpec
+    torrent: bytes
+    join_token_hash: str | None
+    global_step: int
+
+
+class Store:
+    def __init__(self, path: str) -> None:
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        if path != ":memory:":
+            self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ------------------------------------------------------------ meta
+
+    def get_meta(self, key: str) -> bytes | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def get_or_set_meta(self, key: str, make: bytes) -> bytes:
+        """The stored value of ``key``; ``make`` is stored and returned when there is none."""
+        self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (key, make))
+        value = self.get_meta(key)
+        assert value is not None  # just inserted or already there
+        return value
+
+    def set_meta(self, key: str, value: bytes) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # ------------------------------------------------------------ data sets
+
+    def add_dataset(self, infohash: str, name: str) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO datasets (infohash, name, created_at) VALUES (?, ?, ?)",
+            (infohash, name, time.time()),
+        )
+
+    def datasets(self) -> dict[str, str]:
+        return dict(self._db.execute("SELECT infohash, name FROM datasets").fetchall())
+
+    # ------------------------------------------------------------ runs
+
+    def add_run(self, spec: RunSpec, torrent: bytes, join_token_hash: str | None) -> None:
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT INTO runs (run_id, spec, torrent, join_token_hash, global_step, created_at)"
+                " VALUES (?, ?, ?, ?, 0, ?)",
+                (spec.run_id, encode(spec), torrent, join_token_hash, spec.created_at),
+            )
+            self._db.execute(
+                "INSERT OR REPLACE INTO datasets (infohash, name, created_at) VALUES (?, ?, ?)",
+                (spec.dataset.infohash, spec.dataset.manifest.name, spec.created_at),
+            )
+
+    def runs(self) -> list[StoredRun]:
+        rows = self._db.execute(
+            "SELECT spec, torrent, join_token_hash, global_step FROM runs ORDER BY created_at"
+        ).fetchall()
+        return [
+            StoredRun(decode(bytes(spec), RunSpec), bytes(torrent), token, step)
+            for spec, torrent, token, step in rows
+        ]
+
+    def close_step(self, run_id: str, record: StepRecord) -> None:
+        """Record a closed step and advance the run's global step past it, atomically."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                "INSERT OR REPLACE INTO steps (run_id, step, closed_at, duration_s, samples, peers, groups, seed)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    record.step,
+                    record.closed_at,
+                    record.duration_s,
+                    record.samples,
+                    record.peers,
+                    record.groups,
+                    record.seed,
+                ),
+            )
+            self._db.execute("UPDATE runs SET global_step = ? WHERE run_id = ?", (record.step + 1, run_id))
+
+    def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
+        rows = self._db.execute(
+            "SELECT step, closed_at, duration_s, samples, peers, groups, seed FROM steps"
+            " WHERE run_id = ? ORDER BY step DESC LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [
+            StepRecord(step=s, closed_at=c, duration_s=d, samples=n, peers=p, groups=g, seed=seed)
+            for s, c, d, n, p, g, seed in rows
+        ]

@@ -1,0 +1,10 @@
+"""Group all-reduce of flat float32 vectors (butterfly over HTTP). numpy only, no torch.
+
+``Averager.routes()`` are mounted on the volunteer's peer server; ``Averager.allreduce()`` runs one round
+of a signed :class:`~crowdtrain.protocol.messages.GroupAssignment`.
+"""
+
+from crowdtrain.volunteer.averaging.allreduce import ROUTE, Averager, RoundResult, part_bounds
+from crowdtrain.volunteer.averaging.config import AveragingConfig
+
+__all__ = ["ROUTE", "Averager", "AveragingConfig", "RoundResult", "part_bounds"]

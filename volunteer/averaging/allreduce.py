@@ -1,0 +1,651 @@
+"""Group all-reduce as a butterfly over HTTP: one round trip per pair of members.
+
+The flat vector is cut into one contiguous part per member that owns a part (``part >= 0``, in part
+order, as even as possible). Member *i* ``POST``s its copy of part *j* to the owner of *j* at
+``/v1/allreduce/{round_id}/{tag}/{j}``; the owner waits for every member's copy (or the assignment's
+deadline), takes the weighted mean in fp32 and answers every waiting request with the reduced part.
+The owner's own copy never leaves the process. Client-mode members own nothing and only send.
+
+Failures are local, never a hang: a copy that arrives after the deadline is dropped and the weights
+renormalised; a copy that fails a check is refused with a 4xx sentence and listed as rejected; a sender
+whose owner fails keeps its own values for that part and lists it in ``failed_parts``. A round returns by
+the deadline plus ``grace_s``.
+
+Wire: the request carries the peer headers of :mod:`crowdtrain.protocol.peerauth` signed over
+(``"allreduce"``, round key, part, weight, values), plus ``X-Crowdtrain-Weight`` (samples, ≤ the weight
+in the assignment) and ``X-Crowdtrain-Elements`` (the part's length, or 0 from a weight-0 member when
+some member has a weight: it only wants the result). Body and answer are streams of tensor frames of at
+most ``subframe_elements`` values each. Answers other than 200 are ``{"error": "<sentence>"}``:
+
+====  =======================================================================================
+400   malformed path, headers or frames (bad shape, codec, sizes, checksum, extra bytes)
+401   missing or invalid credential or request signature
+403   the sender is not a member of this round's signed group
+404   no assignment for this round arrived here in time, or this peer does not own that part
+408   the copy did not arrive completely by the deadline (the sender is listed as dropped)
+409   the sender already sent its copy of this part in this round
+410   the round or part is already closed
+413   a frame is larger than the limits
+422   NaN/inf values, a length other than the part's, or a weight above the assignment's
+503   the part could not be reduced (no copy with a positive weight arrived in time)
+====  =======================================================================================
+
+Round key: ``f"{round_id}/{tag}"``, so one assignment carries a gradient round and a parameter round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from crowdtrain.protocol import peerauth
+from crowdtrain.protocol.credentials import SigningKey, verify_assignment
+from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
+from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.reducer import Contribution, PartOutcome, PartReducer
+from crowdtrain.volunteer.averaging.wire import (
+    HEADER_ELEMENTS,
+    HEADER_WEIGHT,
+    PURPOSE,
+    Coder,
+    NonFinite,
+    read_part,
+    subframe_bounds,
+)
+from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
+
+log = logging.getLogger(__name__)
+
+ROUTE = "/v1/allreduce/{round_id}/{tag}/{part}"
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_NETWORK_ERRORS = (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What one all-reduce round gave this peer."""
+
+    round_key: str
+    values: np.ndarray  # the weighted mean (float32); local values in ``failed_parts``
+    members: tuple[str, ...]
+    my_part: int  # -1: client mode
+    dropped: tuple[str, ...]  # members whose copy of my part did not arrive by the deadline
+    rejected: tuple[str, ...]  # members whose copy of my part failed a check
+    clipped: tuple[str, ...]  # members whose copy of my part was scaled down to the norm bound
+    failed_parts: tuple[int, ...]  # parts whose owner failed or refused me; local values kept
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes: int  # what the values I sent would have taken as plain fp32
+    duration: float
+    phases: dict[str, float]
+    reasons: dict[str, str] = field(default_factory=dict)  # "part 2" / peer id → why, for the log
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+
+@dataclass(slots=True)
+class _Stats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    raw_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Round:
+    key: str
+    assignment: GroupAssignment
+    members: dict[str, GroupMember]
+    bounds: list[tuple[int, int]]  # part index → [start, stop)
+    my_part: int
+    deadline: float
+    uniform: bool  # every assigned weight is 0: the plain mean of everyone's values
+    tag: str
+    reducer: PartReducer | None = None
+    output: np.ndarray | None = None  # where the round's result is written
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    stats: _Stats = field(default_factory=_Stats)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        self.status = status
+        self.text = text
+        super().__init__(text)
+
+
+def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous slices of ``n`` values, one per part, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Averager:
+    """This peer's side of group all-reduce: the part owner's HTTP routes and the sender."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        tracker_public_key: str,
+        peer_id: str,
+        key: SigningKey,
+        credential: Credential,
+        config: AveragingConfig | None = None,
+        emit: Emit = no_emit,
+    ) -> None:
+        self.run_id = run_id
+        self.tracker_public_key = tracker_public_key
+        self.peer_id = peer_id
+        self.key = key
+        self.credential = credential
+        self.config = config or AveragingConfig()
+        self.emit = emit
+        self._coder = Coder(self.config)
+        self._rounds: dict[str, _Round] = {}
+        self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._registered: asyncio.Condition | None = None
+        # error feedback of lossy codecs, per tag over the whole vector: what I send, what I answer with
+        self._residuals: dict[str, np.ndarray] = {}
+        self._down_residuals: dict[str, np.ndarray] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(ROUTE, self._handle)]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def allreduce(
+        self, assignment: GroupAssignment, vector: np.ndarray, weight: float, *, tag: str = "grad"
+    ) -> RoundResult:
+        """Average ``vector`` (flat float32, same length on every member) with the assignment's group."""
+        started = time.perf_counter()
+        try:
+            rnd = self._prepare(assignment, vector, weight, tag)
+        except AveragingError as exc:
+            self.emit(RoundFailed(round_id=assignment.round_id, step=assignment.step, reason=str(exc)))
+            raise
+        # every value of ``output`` is written: the reduced part, a decoded answer, or my own for a failed part
+        output = np.empty_like(vector)
+        rnd.output = output
+        failed: dict[int, str] = {}
+        self._rounds[rnd.key] = rnd
+        await self._announce()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                if rnd.reducer is not None:
+                    tg.create_task(self._close_part(rnd))
+                    tg.create_task(self._own_part(rnd, output, failed))
+                for member in assignment.members:
+                    if member.part >= 0 and member.part != rnd.my_part:
+                        tg.create_task(self._exchange(rnd, member, vector, weight, tag, output, failed))
+        finally:
+            red = rnd.reducer
+            if red is not None and not red.done.is_set():  # cancelled: answer waiting senders now
+                red.closed = True
+                red.outcome = PartOutcome(None, [], (), (), (), (), reason=f"round {rnd.key} was abandoned")
+                red.done.set()
+            del self._rounds[rnd.key]
+            self._finished[rnd.key] = None
+            while len(self._finished) > self.config.remember_rounds:
+                self._finished.popitem(last=False)
+        return self._finish(rnd, output, failed, time.perf_counter() - started, tag)
+
+    # ------------------------------------------------------------------ round set-up
+
+    def _prepare(self, a: GroupAssignment, vector: np.ndarray, weight: float, tag: str) -> _Round:
+        try:
+            verify_assignment(a, self.tracker_public_key)
+        except AuthError as exc:
+            raise AveragingError(
+                f"group assignment for round {a.round_id!r} is not the tracker's: {exc}"
+            ) from None
+        if a.run_id != self.run_id:
+            raise AveragingError(f"group assignment is for run {a.run_id!r}, not {self.run_id!r}")
+        if not _NAME.match(a.round_id) or not _NAME.match(tag):
+            raise AveragingError(
+                f"round id {a.round_id!r} and tag {tag!r} must be 1–200 letters, digits, '.', '_' or '-'"
+            )
+        key = f"{a.round_id}/{tag}"
+        if key in self._rounds or key in self._finished:
+            raise AveragingError(f"round {key} was already run by this peer; use a new tag or round")
+        if not 1 <= len(a.members) <= self.config.max_members:
+            raise AveragingError(
+                f"group has {len(a.members)} members; 1 to {self.config.max_members} allowed"
+            )
+        members = {m.peer_id: m for m in a.members}
+        if len(members) != len(a.members):
+            raise AveragingError(f"group assignment for round {key} lists a peer twice")
+        me = members.get(self.peer_id)
+        if me is None or me.public_key != self.key.public_hex:
+            raise AveragingError(f"this peer ({self.peer_id}) is not a member of round {key}")
+        owners = sorted(m.part for m in a.members if m.part >= 0)
+        if owners != list(range(a.parts)) or a.parts < 1:
+            raise AveragingError(
+                f"group assignment for round {key} does not give parts 0..{a.parts - 1} one owner each"
+            )
+        if any(m.part >= 0 and not m.address for m in a.members):
+            raise AveragingError(
+                f"group assignment for round {key} gives a part to a member without an address"
+            )
+        if vector.dtype != np.float32 or vector.ndim != 1:
+            raise AveragingError(f"vector must be flat float32, got {vector.dtype} with shape {vector.shape}")
+        if vector.size > self.config.max_vector_elements:
+            raise AveragingError(f"vector has {vector.size} values, above max_vector_elements")
+        if not (math.isfinite(weight) and 0 <= weight <= me.weight):
+            raise AveragingError(f"weight {weight} must be between 0 and the assigned {me.weight} samples")
+        if time.time() >= a.deadline:
+            raise AveragingError(
+                f"round {key} reached its deadline before it started; wait for the next group"
+            )
+        if self.config.codec.lossy:
+            for store in (self._residuals, self._down_residuals):
+                if store.get(tag, np.empty(0)).size != vector.size:
+                    store[tag] = np.zeros(vector.size, dtype=np.float32)
+        bounds = part_bounds(vector.size, a.parts)
+        uniform = all(m.weight == 0 for m in a.members)
+        rnd = _Round(key, a, members, bounds, me.part, a.deadline, uniform, tag, None)
+        if me.part >= 0 and bounds[me.part][1] > bounds[me.part][0]:  # an empty part needs no owner
+            start, stop = bounds[me.part]
+            rnd.reducer = PartReducer(
+                me.part, stop - start, tuple(members), self.config.clip_multiple, done=asyncio.Event()
+            )
+            own = vector[start:stop]
+            rnd.reducer.begin(self.peer_id)
+            rnd.reducer.accept(
+                Contribution(
+                    self.peer_id,
+                    1.0 if uniform else float(weight),
+                    own,
+                    float(np.linalg.norm(own)),
+                    owned=False,
+                )
+            )
+            if rnd.reducer.settled():
+                rnd.settled.set()
+        return rnd
+
+    async def _announce(self) -> None:
+        if self._registered is None:
+            self._registered = asyncio.Condition()
+        async with self._registered:
+            self._registered.notify_all()
+
+    # ------------------------------------------------------------------ owner side
+
+    async def _close_part(self, rnd: _Round) -> None:
+        """Close my part when every member settled or at the deadline; reduce and encode it once."""
+        red = rnd.reducer
+        assert red is not None
+        try:
+            async with asyncio.timeout(max(0.0, rnd.deadline - time.time())):
+                await rnd.settled.wait()
+        except TimeoutError:
+            pass
+        red.closed = True
+        t = time.perf_counter()
+        start, stop = rnd.bounds[rnd.my_part]
+        assert rnd.output is not None
+        values, clipped, reason = await asyncio.to_thread(red.reduce, rnd.output[start:stop])
+        frames: list[bytes] = []
+        if values is not None:
+            frames = await asyncio.to_thread(self._encode_result, rnd, values)
+        done = set(red.contributions) | set(red.rejected)
+        red.outcome = PartOutcome(
+            values=values,
+            frames=frames,
+            accepted=tuple(sorted(red.contributions)),
+            dropped=tuple(sorted(m for m in red.members if m not in done)),
+            rejected=tuple(sorted(red.rejected)),
+            clipped=clipped,
+            reduce_s=time.perf_counter() - t,
+            reason=reason,
+        )
+        red.done.set()
+
+    def _encode_result(self, rnd: _Round, values: np.ndarray) -> list[bytes]:
+        """Frames of the reduced part, once for every receiver (call in a thread).
+
+        With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
+        and ``values`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
+        """
+        start, _ = rnd.bounds[rnd.my_part]
+        residual = self._down_residuals.get(rnd.tag)
+        frames = []
+        for a, b in subframe_bounds(0, values.size, self.config.subframe_elements):
+            res = None if residual is None else residual[start + a : start + b]
+            frame, sent = self._coder.encode_sent(values[a:b], res)
+            if self.config.codec.lossy:
+                values[a:b] = sent
+            frames.append(frame)
+        return frames
+
+    async def _own_part(self, rnd: _Round, output: np.ndarray, failed: dict[int, str]) -> None:
+        red = rnd.reducer
+        assert red is not None
+        await red.done.wait()
+        assert red.outcome is not None
+        start, stop = rnd.bounds[rnd.my_part]
+        if red.outcome.values is None:
+            failed[rnd.my_part] = red.outcome.reason
+            output[start:stop] = red.contributions[self.peer_id].values  # my own values
+            return
+        answered = len(red.outcome.accepted) - 1  # every accepted sender but me gets the frames
+        rnd.stats.bytes_sent += answered * sum(map(len, red.outcome.frames))
+        rnd.stats.raw_bytes += answered * 4 * (stop - start)
+
+    async def _find_round(self, key: str) -> _Round | None:
+        """The round ``key``; a request that beat our own allreduce() call waits a bounded time for it."""
+        if self._registered is None:
+            self._registered = asyncio.Condition()
+        try:
+            async with asyncio.timeout(self.config.assignment_wait_s), self._registered:
+                await self._registered.wait_for(lambda: key in self._rounds or key in self._finished)
+        except TimeoutError:
+            return None
+        return self._rounds.get(key)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._receive(request)
+        except _Refused as r:
+            return web.json_response({"error": r.text}, status=r.status)
+
+    async def _receive(self, request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        round_id, tag, part_s = info["round_id"], info["tag"], info["part"]
+        if not _NAME.match(round_id) or not _NAME.match(tag) or not part_s.isdigit() or len(part_s) > 6:
+            raise _Refused(400, "the path must be /v1/allreduce/<round id>/<tag>/<part number>")
+        key, part = f"{round_id}/{tag}", int(part_s)
+        weight_s = request.headers.get(HEADER_WEIGHT, "")[:64]
+        elements_s = request.headers.get(HEADER_ELEMENTS, "")[:64]
+        try:  # authenticate first: strangers learn nothing about the round
+            cred = peerauth.check_headers(
+                request.headers,
+                self.tracker_public_key,
+                self.run_id,
+                PURPOSE,
+                key,
+                part,
+                weight_s,
+                elements_s,
+            )
+        except AuthError as exc:
+            raise _Refused(401, f"{exc}") from None
+        try:
+            declared = float(weight_s)
+        except ValueError:
+            declared = math.nan
+        if not (math.isfinite(declared) and declared >= 0):
+            raise _Refused(400, f"header {HEADER_WEIGHT} must be a finite number of samples ≥ 0")
+        if not elements_s.isdigit() or len(elements_s) > 12:
+            raise _Refused(400, f"header {HEADER_ELEMENTS} must be the number of values sent")
+        elements = int(elements_s)
+        if key in self._finished:
+            raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+        rnd = await self._find_round(key)
+        if rnd is None:
+            if key in self._finished:
+                raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+            raise _Refused(404, f"this peer has no assignment for round {key}; is the round id right?")
+        member = rnd.members.get(cred.peer_id)
+        if member is None or member.public_key != cred.public_key:
+            raise _Refused(403, f"peer {cred.peer_id} is not a member of round {key}")
+        red = rnd.reducer
+        if red is None or part != rnd.my_part:
+            raise _Refused(404, f"this peer owns part {rnd.my_part} of round {key}, not part {part}")
+        if red.closed:
+            raise _Refused(
+                410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
+            )
+        if not red.begin(cred.peer_id):
+            raise _Refused(409, f"peer {cred.peer_id} already sent its copy of part {part} in round {key}")
+        try:
+            contribution = await self._read_contribution(request, rnd, member, declared, elements)
+        except _Refused as r:
+            if r.status != 408:
+                red.reject(cred.peer_id, r.text)
+                log.warning("round %s: refused %s's copy of part %d: %s", key, cred.peer_id, part, r.text)
+                if red.settled():
+                    rnd.settled.set()
+            raise
+        if red.closed:
+            raise _Refused(
+                410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
+            )
+        red.accept(contribution)
+        if red.settled():
+            rnd.settled.set()
+        try:
+            async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
+                await red.done.wait()
+        except TimeoutError:
+            raise _Refused(503, f"part {part} of round {key} was not reduced in time") from None
+        outcome = red.outcome
+        assert outcome is not None
+        if outcome.values is None:
+            raise _Refused(503, outcome.reason)
+        response = web.StreamResponse(headers={HEADER_ELEMENTS: str(red.length)})
+        response.content_type = "application/octet-stream"
+        await response.prepare(request)
+        for frame in outcome.frames:
+            await response.write(frame)
+        await response.write_eof()
+        return response
+
+    async def _read_contribution(
+        self, request: web.Request, rnd: _Round, member: GroupMember, declared: float, elements: int
+    ) -> Contribution:
+        red = rnd.reducer
+        assert red is not None
+        peer = member.peer_id
+        if declared > member.weight:
+            raise _Refused(
+                422,
+                f"peer {peer} declares weight {declared:g}, above the {member.weight} samples it reported",
+            )
+        expected = 0 if (declared == 0 and not rnd.uniform) else red.length
+        if elements != expected:
+            raise _Refused(422, f"peer {peer} sends {elements} values but part {red.part} holds {expected}")
+        buf = np.empty(expected, dtype=np.float32)
+        t = time.perf_counter()
+        try:
+            async with asyncio.timeout(rnd.deadline - time.time()):
+                norm2, nbytes = await read_part(request.content, self._coder, expected, lambda a, b: buf[a:b])
+        except TimeoutError:
+            raise _Refused(
+                408, f"peer {peer}'s copy of part {red.part} did not arrive by the deadline"
+            ) from None
+        except NonFinite as exc:
+            raise _Refused(422, f"peer {peer}: {exc}") from None
+        except LimitExceeded as exc:
+            raise _Refused(413, f"peer {peer}: {exc}") from None
+        except ProtocolError as exc:
+            raise _Refused(400, f"peer {peer}: {exc}") from None
+        except (asyncio.IncompleteReadError, ConnectionError, aiohttp.ClientPayloadError):
+            raise _Refused(408, f"peer {peer} went away while sending part {red.part}") from None
+        rnd.stats.decode_s += time.perf_counter() - t
+        rnd.stats.bytes_received += nbytes
+        weight = 1.0 if rnd.uniform else declared
+        return Contribution(peer, weight, buf if expected else None, math.sqrt(norm2))
+
+    # ------------------------------------------------------------------ sender side
+
+    def _session_for(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=False), auto_decompress=False
+            )
+        return self._session
+
+    async def _exchange(
+        self,
+        rnd: _Round,
+        owner: GroupMember,
+        vector: np.ndarray,
+        weight: float,
+        tag: str,
+        output: np.ndarray,
+        failed: dict[int, str],
+    ) -> None:
+        """Send my copy of ``owner``'s part and take the reduced part from its answer."""
+        j = owner.part
+        start, stop = rnd.bounds[j]
+        if stop == start:
+            return
+        cfg = self.config
+        send = rnd.uniform or weight > 0
+        elements = stop - start if send else 0
+        weight_s, elements_s = repr(float(weight)), str(elements)
+        headers = peerauth.sign_headers(self.key, self.credential, PURPOSE, rnd.key, j, weight_s, elements_s)
+        headers |= {
+            HEADER_WEIGHT: weight_s,
+            HEADER_ELEMENTS: elements_s,
+            "Content-Type": "application/octet-stream",
+        }
+        residual = self._residuals.get(tag) if cfg.codec.lossy else None
+        stats = rnd.stats
+
+        def encode(a: int, b: int) -> asyncio.Future[bytes]:
+            res = None if residual is None else residual[a:b]
+            return asyncio.ensure_future(asyncio.to_thread(self._coder.encode, vector[a:b], res))
+
+        async def body():
+            """The part as sub-frames; the next one is encoded in a thread while this one is sent."""
+            bounds = subframe_bounds(start, stop, cfg.subframe_elements)
+            t = time.perf_counter()
+            ahead = encode(*bounds[0])
+            try:
+                for k, (a, b) in enumerate(bounds):
+                    frame = await ahead
+                    ahead = encode(*bounds[k + 1]) if k + 1 < len(bounds) else None
+                    stats.encode_s += time.perf_counter() - t
+                    stats.bytes_sent += len(frame)
+                    stats.raw_bytes += 4 * (b - a)
+                    yield frame
+                    t = time.perf_counter()
+            finally:
+                if ahead is not None and not ahead.done():
+                    ahead.cancel()
+
+        url = f"http://{owner.address}/v1/allreduce/{rnd.key}/{j}"
+        remaining = rnd.deadline + cfg.grace_s - time.time()
+        timeout = aiohttp.ClientTimeout(total=max(0.05, remaining), sock_connect=cfg.connect_timeout_s)
+        try:
+            async with self._session_for().post(
+                url, data=body() if send else b"", headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    text = (await resp.content.read(cfg.max_error_bytes)).decode("utf-8", "replace")
+                    raise _Refused(resp.status, text)
+                t = time.perf_counter()
+                _, nbytes = await read_part(
+                    resp.content, self._coder, stop - start, lambda a, b: output[start + a : start + b]
+                )
+                stats.decode_s += time.perf_counter() - t
+                stats.bytes_received += nbytes
+        except _Refused as r:
+            self._part_failed(rnd, j, owner, f"HTTP {r.status}: {r.text}", vector, output, failed)
+        except ProtocolError as exc:
+            self._part_failed(rnd, j, owner, f"its answer was malformed: {exc}", vector, output, failed)
+        except _NETWORK_ERRORS as exc:
+            what = "did not answer by the deadline" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+            self._part_failed(rnd, j, owner, what, vector, output, failed)
+
+    def _part_failed(
+        self,
+        rnd: _Round,
+        j: int,
+        owner: GroupMember,
+        why: str,
+        vector: np.ndarray,
+        output: np.ndarray,
+        failed: dict[int, str],
+    ) -> None:
+        start, stop = rnd.bounds[j]
+        output[start:stop] = vector[start:stop]
+        failed[j] = f"owner {owner.peer_id} of part {j} {why}"
+        log.warning("round %s: keeping local values of part %d: %s", rnd.key, j, failed[j])
+
+    # ------------------------------------------------------------------ result
+
+    def _finish(
+        self, rnd: _Round, output: np.ndarray, failed: dict[int, str], duration: float, tag: str
+    ) -> RoundResult:
+        outcome = rnd.reducer.outcome if rnd.reducer is not None else None
+        reasons = {f"part {j}": why for j, why in failed.items()}
+        if outcome is not None:
+            reasons |= rnd.reducer.rejected if rnd.reducer else {}
+        phases = {
+            "encode": rnd.stats.encode_s,
+            "decode": rnd.stats.decode_s,
+            "reduce": outcome.reduce_s if outcome else 0.0,
+            "total": duration,
+        }
+        result = RoundResult(
+            round_key=rnd.key,
+            values=output,
+            members=tuple(rnd.members),
+            my_part=rnd.my_part,
+            dropped=outcome.dropped if outcome else (),
+            rejected=outcome.rejected if outcome else (),
+            clipped=outcome.clipped if outcome else (),
+            failed_parts=tuple(sorted(failed)),
+            bytes_sent=rnd.stats.bytes_sent,
+            bytes_received=rnd.stats.bytes_received,
+            raw_bytes=rnd.stats.raw_bytes,
+            duration=duration,
+            phases=phases,
+            reasons=reasons,
+        )
+        nonempty = [j for j, (a, b) in enumerate(rnd.bounds) if b > a]
+        if nonempty and all(j in failed for j in nonempty):
+            self.emit(
+                RoundFailed(
+                    round_id=rnd.assignment.round_id,
+                    step=rnd.assignment.step,
+                    reason="; ".join(failed.values()) or "every part failed",
+                )
+            )
+        else:
+            self.emit(
+                RoundDone(
+                    round_id=rnd.assignment.round_id,
+                    kind=tag,
+                    step=rnd.assignment.step,
+                    members=result.members,
+                    my_part=result.my_part,
+                    bytes_sent=result.bytes_sent,
+                    bytes_received=result.bytes_received,
+                    raw_bytes=result.raw_bytes,
+                    duration_s=duration,
+                    phases=dict(phases),
+                    dropped=result.dropped,
+                    rejected=result.rejected,
+                    clipped=result.clipped,
+                    failed_parts=result.failed_parts,
+                )
+            )
+        return result

@@ -1,0 +1,101 @@
+"""The owner's side of one part: collect the group's copies, clip outliers, take the weighted mean."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Contribution:
+    peer_id: str
+    weight: float
+    values: np.ndarray | None  # None for a weight-0 member that sent no values
+    norm: float
+    owned: bool = True  # ``values`` is this reducer's buffer (False: a view of the caller's vector)
+
+
+@dataclass(slots=True)
+class PartOutcome:
+    """What the owner decided for its part once it closed."""
+
+    values: np.ndarray | None  # the reduced part; None when no contribution with weight arrived
+    frames: list[bytes]  # ``values`` encoded once, sent to every waiting member
+    accepted: tuple[str, ...]
+    dropped: tuple[str, ...]
+    rejected: tuple[str, ...]
+    clipped: tuple[str, ...]
+    reduce_s: float = 0.0
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class PartReducer:
+    """Contributions to the part this peer owns in one round.
+
+    A member's copy is read sub-frame by sub-frame (never a joined body) into a buffer of the part's length.
+    The group's copies of one part together are about the size of the whole vector (G copies of 1/G of
+    it); they are kept until the part closes because clipping to the median norm needs every member's
+    norm before the mean, and a copy that fails a check half-way must leave no trace in the mean.
+    """
+
+    part: int
+    length: int
+    members: tuple[str, ...]
+    clip_multiple: float
+    contributions: dict[str, Contribution] = field(default_factory=dict)
+    started: set[str] = field(default_factory=set)
+    rejected: dict[str, str] = field(default_factory=dict)
+    closed: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: PartOutcome | None = None
+
+    def begin(self, peer_id: str) -> bool:
+        """Mark the start of ``peer_id``'s contribution; False if it already sent one."""
+        if peer_id in self.started:
+            return False
+        self.started.add(peer_id)
+        return True
+
+    def accept(self, c: Contribution) -> None:
+        self.contributions[c.peer_id] = c
+
+    def reject(self, peer_id: str, reason: str) -> None:
+        self.rejected[peer_id] = reason
+
+    def settled(self) -> bool:
+        return len(self.contributions) + len(self.rejected) >= len(self.members)
+
+    def reduce(self, out: np.ndarray) -> tuple[np.ndarray | None, tuple[str, ...], str]:
+        """Weighted mean in fp32 of the accepted contributions into ``out``, outliers clipped (in a thread).
+
+        Returns ``out`` (or None when nothing with a weight arrived, ``out`` untouched), the clipped members
+        and, on failure, why.
+        """
+        weighted = [c for c in self.contributions.values() if c.weight > 0 and c.values is not None]
+        if not weighted:
+            return None, (), "no contribution with a positive weight reached the part owner in time"
+        scales = {c.peer_id: 1.0 for c in weighted}
+        clipped: list[str] = []
+        if self.clip_multiple > 0 and len(weighted) > 1:
+            norms = sorted(c.norm for c in weighted)
+            bound = self.clip_multiple * norms[(len(norms) - 1) // 2]  # lower median: robust for 2 members
+            for c in weighted:
+                if c.norm > bound:
+                    scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
+                    clipped.append(c.peer_id)
+        total = math.fsum(c.weight for c in weighted)
+        weighted.sort(key=lambda c: c.owned)  # my own copy (a view of the caller's vector) first
+        first = True
+        for c in weighted:
+            factor = np.float32(c.weight * scales[c.peer_id] / total)
+            if first:
+                np.multiply(c.values, factor, out=out)
+                first = False
+            else:  # a received copy: scale it in place, then add; no temporaries
+                c.values *= factor
+                out += c.values
+        return out, tuple(sorted(clipped)), ""

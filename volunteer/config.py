@@ -1,0 +1,47 @@
+"""The volunteer's settings: one frozen dataclass, checked when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crowdtrain.protocol.errors import ConfigError
+from crowdtrain.volunteer.state.config import StateConfig
+
+
+@dataclass(frozen=True, slots=True)
+class VolunteerConfig:
+    run_id: str
+    tracker_url: str
+    data_dir: Path
+    token: str | None = None  # join token of a private run
+    device: str = "auto"  # auto, cpu or cuda
+    host: str = "127.0.0.1"  # where the peer server listens
+    port: int = 0  # 0 = any free port
+    advertise_host: str | None = None  # host others reach us at; default: host
+    client_mode: bool = False  # declare no address: own no all-reduce part, serve no state
+    max_batch: int | None = None  # cap on the micro-batch size
+    max_steps: int | None = None  # leave once the run's global step reaches this (demos, tests)
+    seed: int | None = None  # sampler seed; default: derived from the peer id
+    tracker_timeout_s: float = 10.0
+    catch_up: bool = True  # fetch the state from peers when behind
+    snapshot_every: int = 1  # publish a state snapshot every this many steps
+    state: StateConfig = field(default_factory=StateConfig)  # serving and fetching the run's state
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ConfigError("run_id", "must not be empty")
+        if not self.tracker_url.startswith(("http://", "https://")):
+            raise ConfigError("tracker", f"{self.tracker_url!r} is not an http:// or https:// URL")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", f"{self.device!r} is not one of auto, cpu, cuda")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", "must be between 0 and 65535")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError("max_batch", "must be at least 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("max_steps", "must be at least 1")
+        if self.tracker_timeout_s <= 0:
+            raise ConfigError("tracker_timeout_s", "must be positive")
+        if self.snapshot_every < 1:
+            raise ConfigError("snapshot_every", "must be at least 1")

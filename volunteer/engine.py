@@ -1,0 +1,562 @@
+"""The volunteer engine: join a run, train on the chunks it has, average with its group, step, repeat.
+
+The engine emits :mod:`crowdtrain.volunteer.events` and never imports rich. One :class:`Volunteer` lives in
+one ``asyncio.run``; its long-lived tasks (torrent, heartbeats, statistics, training) share a TaskGroup.
+
+A global step, as this peer sees it (DeDLOC):
+
+1. accumulate micro-batches from verified chunks (gradients weighted by samples) while heartbeats report
+   the count to the tracker;
+2. when the tracker says the step's target is reached, stop accumulating and long-poll ``ready`` with the
+   accumulated sample count as weight;
+3. the tracker answers with a signed group; the group all-reduces the mean gradient; every member applies
+   the same averaged gradient with the same optimizer and moves to the next step; every
+   ``average_state_every`` steps the group also averages parameters;
+4. a step that closed without this peer (``missed``) keeps the accumulation for the next step; a peer
+   further behind than the run's tolerance fetches the current state from peers, training meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.datasets.session import TorrentSession
+from crowdtrain.protocol.credentials import SigningKey, verify_assignment
+from crowdtrain.protocol.errors import AveragingError, CrowdtrainError, StateSyncError, TrackerError
+from crowdtrain.protocol.messages import (
+    GroupAssignment,
+    Heartbeat,
+    HeartbeatReply,
+    JoinRequest,
+    LeaveRequest,
+    ReadyRequest,
+    RunSpec,
+    StateDeclare,
+)
+from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.averaging.allreduce import Averager
+from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.models import check_param_hash, get_recipe
+from crowdtrain.volunteer.peer_server import PeerServer
+from crowdtrain.volunteer.state.fetch import fetch_state
+from crowdtrain.volunteer.state.serve import StateServer
+from crowdtrain.volunteer.state.snapshot import load_snapshot, make_snapshot
+from crowdtrain.volunteer.trainer import Trainer
+
+from crowdtrain import __version__
+
+log = logging.getLogger(__name__)
+
+LEAVE_TIMEOUT_S = 3.0
+STATS_INTERVAL_S = 1.0
+LOCAL_REPORT_S = 1.0
+
+
+@dataclass(slots=True)
+class Summary:
+    """What one volunteer did, for the CLI's last line and the demo's summary."""
+
+    peer_id: str = ""
+    first_step: int = 0
+    last_step: int = 0
+    steps_done: int = 0
+    steps_missed: int = 0
+    losses: list[float] = field(default_factory=list)
+    bytes_sent: int = 0
+    raw_bytes: int = 0
+    caught_up_to: int | None = None
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise CrowdtrainError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu or auto.")
+    return requested
+
+
+class Volunteer:
+    def __init__(self, config: VolunteerConfig, emit: ev.Emit = ev.no_emit) -> None:
+        self.config = config
+        self._emit_outer = emit
+        self.summary = Summary()
+        self.key = SigningKey()
+        self.spec: RunSpec | None = None
+        self.peer_id = ""
+        self.step = 0  # the global step this peer accumulates for
+        self.trainer: Trainer | None = None
+        self.sampler: Sampler | None = None
+        # Tests turn ``record`` on to replay the exact samples: step -> each micro-batch's provenance, and
+        # the flat parameters after each step.
+        self.record = False
+        self.recorded: dict[int, list[list[tuple[int, int]]]] = {}
+        self.param_history: dict[int, np.ndarray] = {}
+        self._reply: HeartbeatReply | None = None
+        self._reply_changed = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._loss_ema: float | None = None
+        self._samples_per_s = 0.0
+        self._address: str | None = None
+        self._chunks_held = 0
+        self._pending_state: asyncio.Task | None = None
+        # While catching up: step -> (averaged gradient, averaged parameters or None), replayed on load.
+        self._replay: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    def emit(self, event: ev.Event) -> None:
+        if isinstance(event, ev.RoundDone):
+            self.summary.bytes_sent += event.bytes_sent
+            self.summary.raw_bytes += event.raw_bytes
+        self._emit_outer(event)
+
+    def stop(self) -> None:
+        """Ask the engine to leave after the current micro-batch or round."""
+        self._stop.set()
+
+    def _phase(self, phase: str) -> None:
+        self.emit(ev.PhaseChanged(phase=phase))
+
+    # ------------------------------------------------------------------ the whole life of a volunteer
+
+    async def run(self) -> Summary:
+        cfg = self.config
+        async with TrackerClient(cfg.tracker_url, timeout_s=cfg.tracker_timeout_s) as tracker:
+            self.tracker = tracker
+            spec = await tracker.get_spec(cfg.run_id)
+            self.spec = spec
+            recipe = get_recipe(spec.model.recipe)
+            model = await asyncio.to_thread(recipe.build, dict(spec.model.args))
+            check_param_hash(model, spec.model.param_hash)
+            device = resolve_device(cfg.device)
+            self.trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
+            torrent = await tracker.get_torrent(cfg.run_id)
+
+            join = await tracker.join(
+                cfg.run_id,
+                JoinRequest(public_key=self.key.public_hex, token=cfg.token, device=device, client_version=__version__),
+            )
+            self.peer_id = join.peer_id
+            self.credential = join.credential
+            self.heartbeat_interval = join.heartbeat_interval_s
+            self.step = join.global_step
+            self.summary.peer_id = join.peer_id
+            self.summary.first_step = join.global_step
+
+            self.averager = Averager(
+                run_id=cfg.run_id,
+                tracker_public_key=spec.tracker_public_key,
+                peer_id=join.peer_id,
+                key=self.key,
+                credential=join.credential,
+                config=AveragingConfig.from_spec(spec.averaging),
+                emit=self.emit,
+            )
+            self.state_server = StateServer(
+                run_id=cfg.run_id, tracker_public_key=spec.tracker_public_key, config=cfg.state, emit=self.emit
+            )
+            server = PeerServer(cfg.host, cfg.port)
+            server.peer_id = join.peer_id
+            server.add_routes(self.averager.routes())
+            server.add_routes(self.state_server.routes())
+            port = await server.start()
+            if not cfg.client_mode:
+                self._address = f"{cfg.advertise_host or cfg.host}:{port}"
+
+            manifest = spec.dataset.manifest
+            self.sampler_seed = cfg.seed if cfg.seed is not None else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
+            self.sampler = Sampler(
+                manifest,
+                cfg.data_dir,
+                seed=self.sampler_seed,
+                seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
+            )
+            self.torrent = TorrentSession()
+            await self.torrent.start()
+            self.download = None
+            self.emit(
+                ev.Joined(
+                    run_id=cfg.run_id,
+                    run_name=spec.name,
+                    tracker=cfg.tracker_url,
+                    peer_id=join.peer_id,
+                    device=device,
+                    address=self._address,
+                    global_step=join.global_step,
+                    target_batch_size=spec.target_batch_size,
+                    recipe=spec.model.recipe,
+                    codec=spec.averaging.codec,
+                )
+            )
+            reason = "finished"
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._stream(torrent))
+                    tg.create_task(self._heartbeats())
+                    tg.create_task(self._torrent_stats())
+                    train = tg.create_task(self._train())
+                    await train
+                    self._stop.set()
+            except asyncio.CancelledError:
+                reason = "interrupted"
+                raise
+            finally:
+                self._stop.set()
+                self._phase("leaving")
+                if self._pending_state is not None:
+                    self._pending_state.cancel()
+                with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
+                    async with asyncio.timeout(LEAVE_TIMEOUT_S):
+                        await tracker.leave(cfg.run_id, LeaveRequest(peer_id=self.peer_id), self.key, self.credential)
+                await self.averager.close()
+                await server.stop()
+                await self.torrent.close()
+                self.summary.last_step = self.step
+                self.emit(ev.Left(reason=reason))
+        return self.summary
+
+    # ------------------------------------------------------------------ data
+
+    async def _stream(self, torrent: bytes) -> None:
+        manifest = self.spec.dataset.manifest
+
+        def on_chunk(chunk) -> None:
+            self.sampler.add_chunk(chunk.index)
+            self._chunks_held += 1
+            self.emit(
+                ev.ChunkVerified(
+                    index=chunk.index,
+                    name=chunk.name,
+                    samples=chunk.samples,
+                    held=self._chunks_held,
+                    total=len(manifest.chunks),
+                )
+            )
+
+        self._phase("downloading")
+        self.download = await self.torrent.stream(
+            torrent, self.config.data_dir, manifest, seed=self.sampler_seed, on_chunk=on_chunk
+        )
+
+    async def _torrent_stats(self) -> None:
+        while not self._stop.is_set():
+            if self.download is None:
+                await asyncio.sleep(0.1)
+                continue
+            s = self.download.stats()
+            self.emit(
+                ev.TorrentStats(
+                    chunks_held=s.chunks_held,
+                    chunks_total=s.chunks_total,
+                    download_rate=s.download_rate,
+                    upload_rate=s.upload_rate,
+                    peers=s.peers,
+                    seeds=s.seeds,
+                    downloaded=s.downloaded,
+                    uploaded=s.uploaded,
+                    progress=s.progress,
+                )
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), STATS_INTERVAL_S)
+
+    # ------------------------------------------------------------------ tracker
+
+    async def _heartbeat_once(self) -> None:
+        reply = await self.tracker.heartbeat(
+            self.config.run_id,
+            Heartbeat(
+                peer_id=self.peer_id,
+                step=self.step,
+                samples=self.trainer.samples,
+                samples_per_s=self._samples_per_s,
+                address=self._address,
+                chunks_held=self._chunks_held,
+                loss=self._loss_ema,
+            ),
+            self.key,
+            self.credential,
+        )
+        self._reply = reply
+        self._reply_changed.set()
+        self.emit(
+            ev.Progress(
+                global_step=reply.global_step,
+                samples=reply.samples,
+                target=reply.target,
+                peers_online=reply.peers_online,
+                samples_per_s=reply.samples_per_s,
+                eta_s=reply.eta_s,
+                reachable=reply.reachable,
+            )
+        )
+
+    async def _heartbeats(self) -> None:
+        """Report progress every interval; a tracker that is down only pauses averaging."""
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                await self._heartbeat_once()
+                if failures:
+                    log.info("tracker answers again after %d failed heartbeats", failures)
+                failures = 0
+            except TrackerError as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 60 == 0:
+                    log.warning("heartbeat failed (%s); training goes on and will report when it is back", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.heartbeat_interval)
+
+    # ------------------------------------------------------------------ training
+
+    async def _train(self) -> None:
+        spec = self.spec
+        cfg = self.config
+        if self.step > 0 and cfg.catch_up:
+            self._start_catch_up()
+        micro = min(spec.micro_batch_size, cfg.max_batch or spec.micro_batch_size)
+        window_start, window_samples, micro_batches = time.monotonic(), 0, 0
+        last_report = 0.0
+        phase = ""
+        while not self._stop.is_set():
+            if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                return
+            if self._pending_state is not None and self._pending_state.done():
+                await self._switch_to_fetched_state()
+            want = "catching-up" if self._pending_state else "training" if self.sampler.ready else "downloading"
+            if want != phase:
+                phase = want
+                self._phase(phase)
+            if self.sampler.ready:
+                batch = self.sampler.batch(micro)
+                loss, n = await asyncio.to_thread(self.trainer.accumulate, batch.x, batch.y)
+                if self.record and self._pending_state is None:
+                    self.recorded.setdefault(self.step, []).append(list(batch.provenance))
+                micro_batches += 1
+                window_samples += n
+                self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
+                now = time.monotonic()
+                if now - window_start >= 2.0:
+                    self._samples_per_s = window_samples / (now - window_start)
+                    window_start, window_samples = now, 0
+                if now - last_report >= LOCAL_REPORT_S:
+                    last_report = now
+                    self.summary.losses.append(loss)
+                    self.emit(
+                        ev.LocalTraining(
+                            loss=loss,
+                            samples=self.trainer.samples,
+                            samples_per_s=self._samples_per_s,
+                            micro_batches=micro_batches,
+                        )
+                    )
+            else:
+                # No verified chunk yet: nothing to compute, but this peer still takes part in its
+                # group's rounds with weight 0, so its parameters stay those of the run.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reply_changed.wait(), 0.1)
+                self._reply_changed.clear()
+            reply = self._reply
+            if reply is None:
+                continue
+            if reply.global_step > self.step:
+                self._fell_behind(reply.global_step)
+            elif reply.global_step == self.step and reply.step_closed:
+                await self._average_and_step()
+                self._reply = None  # wait for a fresh view of the new step
+                phase = ""
+
+    def _fell_behind(self, global_step: int) -> None:
+        """The run moved on without this peer: fetch the state if too far behind, else carry on."""
+        tolerance = self.spec.averaging.state_lag_tolerance
+        lag = global_step - self.step
+        if self._pending_state is None:
+            if lag > tolerance and self.config.catch_up:
+                log.info("%d steps behind the run (tolerance %d); fetching the current state", lag, tolerance)
+                self._start_catch_up()
+            else:
+                self.emit(ev.StepMissed(step=self.step, now_step=global_step, kept_samples=self.trainer.samples))
+                self.summary.steps_missed += 1
+        self.step = global_step
+
+    async def _average_and_step(self) -> None:
+        """One collaborative step. While catching up, take part with weight 0 and keep the averages for
+        replay once the fetched state is loaded, so the newcomer ends exactly where the others are."""
+        step = self.step
+        catching_up = self._pending_state is not None
+        weight = 0 if catching_up else self.trainer.samples
+        self._phase("waiting-for-group")
+        assignment = await self._await_group(step, weight)
+        if assignment is None:
+            self._phase("catching-up" if catching_up else "training")
+            return
+        started = time.monotonic()
+        self._phase("averaging")
+        grad = await asyncio.to_thread(self.trainer.flat_grad)
+        try:
+            result = await self.averager.allreduce(assignment, grad, float(weight), tag="grad")
+        except AveragingError as exc:
+            log.warning("averaging round of step %d failed (%s); this peer will fetch the state", step, exc)
+            self.emit(ev.RoundFailed(round_id=assignment.round_id, step=step, reason=str(exc)))
+            self.step = step + 1
+            self._replay.clear()
+            if self.config.catch_up:
+                self._start_catch_up()
+            return
+        group_samples = sum(m.weight for m in assignment.members)
+        if catching_up:
+            params = await self._average_params(assignment, weight=0.0) if assignment.average_params else None
+            self._replay[step] = (result.values, params)
+            self.step = step + 1
+            self._phase("catching-up")
+            return
+        self._phase("stepping")
+        lr = await asyncio.to_thread(self.trainer.apply, result.values, step)
+        if assignment.average_params:
+            params = await self._average_params(assignment, weight=1.0 if weight > 0 else 0.0)
+            if params is not None:
+                await asyncio.to_thread(self.trainer.set_flat_params, params)
+        self.step = step + 1
+        self.summary.steps_done += 1
+        if self.record:
+            self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+        self.emit(
+            ev.StepDone(
+                step=step,
+                lr=lr,
+                contributed_samples=weight,
+                group_samples=group_samples,
+                step_time_s=time.monotonic() - started,
+            )
+        )
+        if not self.config.client_mode and self.step % self.config.snapshot_every == 0:
+            await self._publish_state()
+        self._phase("training")
+
+    async def _await_group(self, step: int, weight: int) -> GroupAssignment | None:
+        """Long-poll the tracker until it forms this step's groups; None if this peer missed the step."""
+        while not self._stop.is_set():
+            try:
+                reply = await self.tracker.ready(
+                    self.config.run_id,
+                    ReadyRequest(peer_id=self.peer_id, step=step, weight=weight),
+                    self.key,
+                    self.credential,
+                )
+            except TrackerError as exc:
+                log.warning("could not ask the tracker for a group (%s); training on", exc)
+                return None
+            if reply.status == "group" and reply.assignment is not None:
+                verify_assignment(reply.assignment, self.spec.tracker_public_key)
+                return reply.assignment
+            if reply.status == "missed":
+                self._fell_behind(reply.global_step)
+                return None
+            await asyncio.sleep(reply.retry_after_s)
+        return None
+
+    async def _average_params(self, assignment: GroupAssignment, weight: float) -> np.ndarray | None:
+        """Average parameters in the same group (heals drift between groups); None if nothing to use."""
+        if not any(m.weight > 0 for m in assignment.members):
+            return None
+        params = await asyncio.to_thread(self.trainer.flat_params)
+        try:
+            result = await self.averager.allreduce(assignment, params, weight, tag="params")
+        except AveragingError as exc:
+            log.warning("parameter averaging failed (%s); keeping local parameters", exc)
+            return None
+        if result.failed_parts or not np.isfinite(result.values).all():
+            log.warning("parameter averaging was partial; keeping local parameters")
+            return None
+        return result.values
+
+    # ------------------------------------------------------------------ state
+
+    async def _publish_state(self) -> None:
+        spec = self.spec
+        model_state, optimizer_state = await asyncio.to_thread(self.trainer.state_dicts)
+        snapshot = await asyncio.to_thread(
+            make_snapshot,
+            run_id=self.config.run_id,
+            step=self.step,
+            recipe=spec.model.recipe,
+            args=dict(spec.model.args),
+            model_state=model_state,
+            optimizer_state=optimizer_state,
+            scheduler_state=None,
+            range_bytes=self.config.state.range_bytes,
+        )
+        self.state_server.publish(snapshot)
+        try:
+            await self.tracker.declare_state(
+                self.config.run_id,
+                StateDeclare(peer_id=self.peer_id, state=snapshot.version),
+                self.key,
+                self.credential,
+            )
+        except TrackerError as exc:
+            log.warning("could not declare state version %d to the tracker (%s)", self.step, exc)
+
+    def _start_catch_up(self) -> None:
+        if self._pending_state is None or self._pending_state.done():
+            self._phase("catching-up")
+            self._pending_state = asyncio.get_running_loop().create_task(self._fetch_state())
+
+    async def _fetch_state(self):
+        donors = await self.tracker.donors(self.config.run_id)
+        if donors.state is None or not donors.donors:
+            return None
+        data = await fetch_state(
+            donors=donors.donors,
+            version=donors.state,
+            run_id=self.config.run_id,
+            key=self.key,
+            credential=self.credential,
+            config=self.config.state,
+            emit=self.emit,
+        )
+        return await asyncio.to_thread(load_snapshot, data)
+
+    async def _switch_to_fetched_state(self) -> None:
+        """Load the fetched state, then replay the averaged steps received meanwhile (at a step boundary)."""
+        task, self._pending_state = self._pending_state, None
+        replay, self._replay = self._replay, {}
+        try:
+            loaded = task.result()
+        except (StateSyncError, TrackerError) as exc:
+            # Its parameters are not the run's: keep taking part with weight 0 and try again.
+            log.warning("state catch-up failed (%s); trying again", exc)
+            await asyncio.sleep(1.0)
+            self._start_catch_up()
+            return
+        if loaded is None:
+            log.warning("no peer serves the run's state; training from the initial parameters")
+            return
+        missing = [s for s in range(loaded.step, self.step) if s not in replay]
+        if missing:
+            log.info("state of step %d arrived but steps %s passed unseen; fetching a newer one", loaded.step, missing)
+            self._start_catch_up()
+            return
+        await asyncio.to_thread(self.trainer.load_state, loaded.model_state, loaded.optimizer_state)
+        for s in range(loaded.step, self.step):
+            grad, params = replay[s]
+            await asyncio.to_thread(self.trainer.apply, grad, s)
+            if params is not None:
+                await asyncio.to_thread(self.trainer.set_flat_params, params)
+        self.trainer.reset_accumulation()
+        if self.step < loaded.step:
+            self.step = loaded.step
+        self.summary.caught_up_to = self.step
+        if self.record:
+            self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+        log.info("loaded the state of step %d and replayed %d steps", loaded.step, self.step - loaded.step)
+        self._phase("training")

@@ -1,0 +1,364 @@
+"""The local trainer: micro-batches in, one accumulated gradient out, the averaged gradient applied.
+
+Accumulation convention (what makes the collaborative step exact)
+-----------------------------------------------------------------
+A recipe's loss is the *mean* over a micro-batch of ``n`` samples. :meth:`Trainer.accumulate` back-propagates
+``n · loss`` (the *sum* of the per-sample losses), so the gradient buffer holds ``S = Σ_b n_b · g_b`` over the
+micro-batches ``b`` seen since the last step, and ``samples = N = Σ_b n_b``. :meth:`Trainer.flat_grad` returns
+``S / N``, the exact mean gradient over every sample seen. Peers average these with weights ``N_i``:
+``Σ_i N_i (S_i / N_i) / Σ_i N_i = Σ_all n_b g_b / Σ_all n_b`` — the mean gradient of one large batch made of
+all the peers' samples, which is what :func:`replay_reference` computes in one process.
+
+Layout: all trainable parameters, sorted by name (the order the parameter hash is computed in), are
+concatenated into one flat float32 vector. Each parameter's ``.grad`` is a view into one flat buffer, so
+backward accumulates straight into it and :meth:`flat_grad` / :meth:`apply` need no gather or scatter.
+
+Every method is synchronous and may take a while; the engine calls them through ``asyncio.to_thread``,
+one at a time. CPU–GPU synchronisation points are marked ``# sync:``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
+from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
+from crowdtrain.volunteer.models.recipe import Recipe
+from crowdtrain.volunteer.models.registry import get_recipe
+from crowdtrain.volunteer.schedule import check_schedule, learning_rate
+
+Batch = tuple[Any, Any]  # (x, y): torch tensors or numpy arrays, first dimension = samples
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → CUDA when present, else CPU; ``cuda`` without a GPU is a :class:`ConfigError`."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "device", "CUDA was asked for but this torch build sees no GPU; use --device cpu or auto"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def check_optimizer(spec: OptimizerSpec) -> None:
+    """Raise :class:`ConfigError` naming the field if the optimizer spec is unusable."""
+    if spec.name not in ("adamw", "sgd"):
+        raise ConfigError("optimizer.name", f"must be adamw or sgd, got {spec.name!r}")
+    checks = [
+        ("lr", spec.lr, spec.lr > 0),
+        ("weight_decay", spec.weight_decay, spec.weight_decay >= 0),
+        ("beta1", spec.beta1, 0 <= spec.beta1 < 1),
+        ("beta2", spec.beta2, 0 <= spec.beta2 < 1),
+        ("eps", spec.eps, spec.eps > 0),
+        ("momentum", spec.momentum, 0 <= spec.momentum < 1),
+        ("grad_clip", spec.grad_clip, spec.grad_clip >= 0),
+    ]
+    for name, value, ok in checks:
+        if not (math.isfinite(value) and ok):
+            raise ConfigError(f"optimizer.{name}", f"value {value!r} is out of range")
+
+
+def make_optimizer(
+    named: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec
+) -> torch.optim.Optimizer:
+    """AdamW or SGD (momentum) from the spec. Weight decay applies to matrices and embeddings (dim ≥ 2)
+    only, not to biases and norm gains (nanoGPT's grouping)."""
+    check_optimizer(spec)
+    decay = [p for _, p in named if p.dim() >= 2]
+    no_decay = [p for _, p in named if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": spec.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if spec.name == "adamw":
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
+    return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
+
+
+class Trainer:
+    """One model, its optimizer and its accumulated gradient on one device."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        model: torch.nn.Module,
+        optimizer_spec: OptimizerSpec,
+        schedule_spec: ScheduleSpec,
+        device: str = "cpu",
+    ) -> None:
+        check_schedule(optimizer_spec, schedule_spec)
+        self.recipe = recipe
+        self.optimizer_spec = optimizer_spec
+        self.schedule_spec = schedule_spec
+        self.device = resolve_device(device)
+        self.model = model.to(self.device)
+        self.named = sorted(
+            ((n, p) for n, p in self.model.named_parameters() if p.requires_grad), key=lambda item: item[0]
+        )
+        wrong = [n for n, p in self.named if p.dtype != torch.float32]
+        if wrong:
+            raise ConfigError(
+                "model", f"parameters must be float32 (master weights); {', '.join(wrong)} are not"
+            )
+        self.params = [p for _, p in self.named]
+        self.numel = sum(p.numel() for p in self.params)
+        self._grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self._views.append(self._grad[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self._bind_grads()
+        self._samples = 0
+        self.optimizer = make_optimizer(self.named, optimizer_spec)
+        self.last_grad_norm = 0.0  # norm of the last applied mean gradient, before clipping
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+    # ------------------------------------------------------------------ accumulation
+
+    @property
+    def samples(self) -> int:
+        """Samples accumulated since the last :meth:`apply` or :meth:`reset_accumulation`."""
+        return self._samples
+
+    def _bind_grads(self) -> None:
+        # Backward adds into an existing .grad in place, so these views keep receiving the gradient.
+        # If someone replaced or dropped a .grad (model.zero_grad()), re-attach our view.
+        for p, view in zip(self.params, self._views, strict=True):
+            if p.grad is not view:
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
+            # bf16 keeps fp32's range, so no loss scaler is needed; params and grads stay fp32.
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()  # CPU (and pre-Ampere GPUs): plain fp32
+
+    def _to_device(self, a: Any) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else torch.as_tensor(a)
+        return t.to(self.device, non_blocking=True)  # host→device copy, asynchronous for pinned memory
+
+    def accumulate(self, x: Any, y: Any) -> tuple[float, int]:
+        """Forward and backward one micro-batch; add ``n · ∇(mean loss)`` to the gradient buffer.
+
+        Returns the micro-batch's mean loss and its number of samples ``n = len(x)``.
+        """
+        if y is None:
+            raise RecipeError(
+                f"Recipe {self.recipe.name!r} needs labelled samples (x, y), but this data set has no labels; "
+                "use a recipe for unlabelled data or a data set made with labels."
+            )
+        n = int(x.shape[0])
+        if n <= 0:
+            raise ValueError("a micro-batch needs at least one sample")
+        if int(y.shape[0]) != n:
+            raise ValueError(f"x has {n} samples but y has {int(y.shape[0])}")
+        self._bind_grads()
+        self.model.train()
+        xt, yt = self._to_device(x), self._to_device(y)
+        with self._autocast():
+            loss = self.recipe.loss(self.model, xt, yt)
+        (loss * n).backward()  # sum of the per-sample losses: the buffer adds n_b · g_b
+        self._samples += n
+        return float(loss.detach()), n  # sync: .item() waits for the GPU to finish this micro-batch
+
+    def flat_grad(self) -> np.ndarray:
+        """The mean gradient over the accumulated samples, float32, flat (zeros when there are none)."""
+        if self._samples == 0:
+            return np.zeros(self.numel, dtype=np.float32)
+        self._bind_grads()
+        mean = self._grad / self._samples
+        return mean.cpu().numpy()  # sync: device→host copy waits for every queued backward
+
+    def reset_accumulation(self) -> None:
+        """Forget the accumulated gradient and samples."""
+        self._bind_grads()
+        self._grad.zero_()
+        self._samples = 0
+
+    # ------------------------------------------------------------------ the step
+
+    def apply(self, mean_grad: np.ndarray, step: int, *, keep_accumulation: bool = False) -> float:
+        """Take the optimizer step of global step ``step`` with the group's mean gradient.
+
+        Writes ``mean_grad`` into the parameters' ``.grad``, clips it to the spec's global norm, sets the
+        learning rate of ``step``, steps, and zeroes the accumulation (or, with ``keep_accumulation``, restores
+        the local accumulation that was in progress, for delayed parameter updates). Returns the rate used.
+        Raises :class:`AveragingError` (and leaves the model untouched) for a wrong length or non-finite values.
+        """
+        g = np.asarray(mean_grad)
+        if g.shape != (self.numel,):
+            raise AveragingError(
+                f"The averaged gradient has shape {g.shape}, this model has {self.numel} parameters; not stepping."
+            )
+        if not np.isfinite(g).all():
+            raise AveragingError("The averaged gradient contains NaN or infinite values; not stepping.")
+        lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
+        self._bind_grads()
+        stash = (self._grad.clone(), self._samples) if keep_accumulation else None
+        self._grad.copy_(torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)))  # host→device copy
+        norm = torch.linalg.vector_norm(self._grad)
+        clip = self.optimizer_spec.grad_clip
+        if clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s arithmetic, on the flat buffer in one kernel.
+            self._grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        if stash is not None:
+            self._grad.copy_(stash[0])
+            self._samples = stash[1]
+        else:
+            self._grad.zero_()
+            self._samples = 0
+        self.last_grad_norm = float(norm)  # sync: reads the norm back from the device
+        return lr
+
+    # ------------------------------------------------------------------ parameters and state
+
+    def flat_params(self) -> np.ndarray:
+        """All trainable parameters in the flat layout, float32 (a copy)."""
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        return flat.cpu().numpy()  # sync: device→host copy
+
+    def set_flat_params(self, values: np.ndarray) -> None:
+        """Overwrite the trainable parameters from a flat float32 vector (e.g. after parameter averaging)."""
+        v = np.asarray(values)
+        if v.shape != (self.numel,):
+            raise AveragingError(
+                f"Parameters of shape {v.shape} do not fit this model's {self.numel} values."
+            )
+        if not np.isfinite(v).all():
+            raise AveragingError(
+                "The averaged parameters contain NaN or infinite values; keeping the local ones."
+            )
+        flat = torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(self.device)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(model state, optimizer state)`` for a snapshot: copies on the CPU, so they may be serialised
+        while training goes on (the live optimizer tensors change in place at every step)."""
+        model_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        optimizer_state = _copy_tensors(self.optimizer.state_dict())  # sync: device→host copies
+        return model_state, optimizer_state
+
+    def load_state(self, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any]) -> None:
+        """Load a snapshot's model and optimizer state; :class:`StateSyncError` if it does not fit.
+
+        The optimizer state is copied first: ``Optimizer.load_state_dict`` would otherwise keep the caller's
+        tensors (same dtype and device) and step them in place.
+        """
+        try:
+            self.model.load_state_dict(model_state, strict=True)  # copies in place: .grad views survive
+            self.optimizer.load_state_dict(_copy_tensors(dict(optimizer_state)))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise StateSyncError(f"The fetched state does not fit this model and optimizer: {exc}") from exc
+        self._bind_grads()
+
+    @torch.no_grad()
+    def evaluate(self, x: Any, y: Any) -> float:
+        """Mean loss on a batch without touching the accumulation (e.g. a held-out batch)."""
+        self.model.eval()
+        with self._autocast():
+            loss = self.recipe.loss(self.model, self._to_device(x), self._to_device(y))
+        return float(loss)  # sync
+
+
+def _copy_tensors(obj: Any) -> Any:
+    """A copy of a nested state dict whose tensors are fresh CPU tensors."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _copy_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_copy_tensors(v) for v in obj)
+    return obj
+
+
+def weighted_mean(grads: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
+    """``Σ (w_i / Σ w) · g_i`` in float32, accumulated in the given order (zeros when all weights are 0).
+
+    The same arithmetic as the all-reduce's part reducer (``volunteer/averaging/reducer.py``)."""
+    out = np.zeros_like(np.asarray(grads[0], dtype=np.float32))
+    total = math.fsum(weights)
+    if total <= 0:
+        return out
+    for g, w in zip(grads, weights, strict=True):
+        if w > 0:
+            out += np.float32(w / total) * np.asarray(g, dtype=np.float32)
+    return out
+
+
+def replay_reference(
+    recipe: Recipe | str,
+    args: Mapping[str, Any],
+    optimizer_spec: OptimizerSpec,
+    schedule_spec: ScheduleSpec,
+    steps: Sequence[Sequence[Any]],
+    *,
+    start_step: int = 0,
+    initial_params: np.ndarray | None = None,
+    by_volunteer: bool = False,
+    combine: Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray] = weighted_mean,
+    device: str = "cpu",
+) -> list[np.ndarray]:
+    """Single-process reference: the flat parameters after each global step.
+
+    ``steps[i]`` holds the micro-batches ``(x, y)`` that all volunteers used for global step
+    ``start_step + i``; each step is one large batch: ``mean grad = Σ n_b g_b / Σ n_b``, clipped, applied
+    with the learning rate of that global step. With ``by_volunteer=True``, ``steps[i]`` is instead a list
+    of per-volunteer lists of micro-batches, and the step combines each volunteer's own mean gradient with
+    weights = its samples through ``combine(grads, weights)`` (default :func:`weighted_mean`). That is the
+    same value up to rounding; pass the all-reduce's own reduction to reproduce the collaborative step
+    bit for bit. Rounding matters with AdamW, which divides by ``sqrt(v) + eps``: a coordinate whose true
+    gradient is 0 but whose computed one is rounding noise moves by up to ~lr·|noise|/eps per step in an
+    order-dependent direction (why ``tiny-gpt`` has no attention key bias), and coordinates with tiny
+    gradients differ by ~1e-6 between a flat and a per-volunteer replay.
+    A step with no samples applies a zero gradient.
+    The model starts from ``recipe.build(args)`` (or ``initial_params``).
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    trainer = Trainer(recipe, recipe.build(dict(args)), optimizer_spec, schedule_spec, device=device)
+    if initial_params is not None:
+        trainer.set_flat_params(initial_params)
+    out: list[np.ndarray] = []
+    for i, batches in enumerate(steps):
+        if by_volunteer:
+            grads, weights = [], []
+            for volunteer in batches:
+                trainer.reset_accumulation()
+                for x, y in volunteer:
+                    trainer.accumulate(x, y)
+                grads.append(trainer.flat_grad())
+                weights.append(float(trainer.samples))
+            trainer.reset_accumulation()
+            mean = combine(grads, weights) if grads else np.zeros(trainer.numel, dtype=np.float32)
+        else:
+            for x, y in batches:
+                trainer.accumulate(x, y)
+            mean = trainer.flat_grad()
+        trainer.apply(mean, start_step + i)
+        out.append(trainer.flat_params())
+    return out

@@ -1,0 +1,324 @@
+"""The view as rich panels: a pure function of a :class:`ViewState` (and ``now``, for the uptime).
+
+Layout, for an 80–120 column terminal::
+
+    ╭ crowdtrain · <run> ─────────────────────────────────────────╮   header: run, tracker, peer, device, uptime
+    ╭ collaboration ──────────╮╭ local training ──────────────────╮
+    ╭ data set ───────────────╮╭ state sync ──────────────────────╮
+    ╭ averaging ──────────────────────────────────────────────────╮
+    ╭ recent ─────────────────────────────────────────────────────╮   the last log lines
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from crowdtrain.volunteer.view.fmt import (
+    MISSING,
+    fmt_bytes,
+    fmt_duration,
+    fmt_float,
+    fmt_percent,
+    fmt_rate,
+    fmt_ratio,
+    fmt_speed,
+    fmt_uptime,
+    short_hash,
+    short_id,
+)
+from crowdtrain.volunteer.view.lines import stamp
+from crowdtrain.volunteer.view.state import ViewState
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.panel import Panel
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
+
+SPARK = "▁▂▃▄▅▆▇█"
+BAR_WIDTH = 16
+SPARK_WIDTH = 24
+LEVEL_STYLE = {"warning": "yellow", "error": "bold red", "critical": "bold red", "debug": "dim"}
+
+Row = tuple[str, RenderableType]
+
+
+def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
+    """The last ``width`` values as block characters scaled between their min and max; NaN is a blank."""
+    shown = list(values)[-width:] if width > 0 else []
+    finite = [v for v in shown if math.isfinite(v)]
+    if not finite:
+        return ""
+    low, high = min(finite), max(finite)
+    span = high - low
+    out = []
+    for v in shown:
+        if not math.isfinite(v):
+            out.append(" ")
+        elif span == 0:
+            out.append(SPARK[len(SPARK) // 2 - 1])
+        else:
+            out.append(SPARK[round((v - low) / span * (len(SPARK) - 1))])
+    return "".join(out)
+
+
+def bar(fraction: float | None, width: int = BAR_WIDTH) -> Text:
+    """A text progress bar, ``█`` done and ``░`` to go (readable without colour)."""
+    f = 0.0 if fraction is None or not math.isfinite(fraction) else min(1.0, max(0.0, fraction))
+    cells = f * width
+    full = int(cells)
+    half = full < width and cells - full >= 0.5
+    done = "█" * full + ("▌" if half else "")
+    return Text.assemble((done, "green"), ("░" * (width - len(done)), "dim"))
+
+
+def _value(text: str, style: str = "bold") -> Text:
+    return Text(text, style=style)
+
+
+def _with_bar(fraction: float | None, label: str) -> Text:
+    return Text.assemble(bar(fraction), " ", (label, "bold"))
+
+
+def _kv(rows: Sequence[Row], pad_to: int = 0) -> Table:
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, value)
+    for _ in range(pad_to - len(rows)):
+        table.add_row("", "")
+    return table
+
+
+def _panel(title: str, rows: Sequence[Row], pad_to: int = 0) -> Panel:
+    return Panel(_kv(rows, pad_to), title=title, title_align="left", border_style="blue")
+
+
+class SideBySide:
+    """Two panels in the halves of the width, stretched to the same height.
+
+    Cheaper than a table grid: no measuring pass, each half is rendered at a known width.
+    """
+
+    def __init__(self, left: Panel, right: Panel) -> None:
+        self.left = left
+        self.right = right
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        left_width = options.max_width // 2
+        widths = (left_width, options.max_width - left_width)
+        panels = (self.left, self.right)
+        rendered = [
+            console.render_lines(p, options.update(width=w, height=None))
+            for p, w in zip(panels, widths, strict=True)
+        ]
+        height = max(len(lines) for lines in rendered)
+        for i, (panel, width) in enumerate(zip(panels, widths, strict=True)):
+            if len(rendered[i]) < height:  # draw the shorter one again, as tall as the other
+                panel.height = height
+                rendered[i] = console.render_lines(panel, options.update(width=width, height=None))
+        new_line = Segment.line()
+        for left, right in zip(*rendered, strict=True):
+            yield from left
+            yield from right
+            yield new_line
+
+
+def _pair(left: tuple[str, Sequence[Row]], right: tuple[str, Sequence[Row]]) -> SideBySide:
+    height = max(len(left[1]), len(right[1]))
+    return SideBySide(_panel(*left, pad_to=height), _panel(*right, pad_to=height))
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _ids(ids: Sequence[str]) -> str:
+    return ", ".join(short_id(i) for i in ids)
+
+
+# ------------------------------------------------------------ panels
+
+
+def header(state: ViewState, now: float | None) -> Panel:
+    lines = [Text(), Text()]
+
+    def part(line: int, label: str, value: str, style: str = "bold") -> None:
+        text = lines[line]
+        if text:
+            text.append("  ")
+        text.append(label + " ", style="dim")
+        text.append(value, style=style)
+
+    if state.run_id:
+        part(0, "run", state.run_id)
+        part(0, "peer", state.peer_id, "bold cyan")
+        part(0, "tracker", state.tracker)
+        part(1, "device", state.device)
+        part(1, "reachable at" if state.address else "mode", state.address or "client (sends only)")
+        part(1, "up", fmt_uptime(state.uptime(now)))
+    else:
+        lines[0].append("joining the run…", style="dim")
+    part(1, "phase", state.phase, "bold magenta")
+    if state.left_reason:
+        part(1, "left", state.left_reason, "yellow")
+    title = f"crowdtrain · {state.run_name}" if state.run_name else "crowdtrain"
+    return Panel(Group(*lines), title=title, title_align="left", border_style="bold blue")
+
+
+def collaboration_rows(state: ViewState) -> list[Row]:
+    target = f"{state.samples}/{state.target}" if state.target else MISSING
+    peers = str(state.peers_online)
+    if state.reachable is False:
+        peers += " (this machine is not reachable)"
+    return [
+        ("global step", _value(MISSING if state.global_step is None else str(state.global_step))),
+        ("batch", _with_bar(state.target_fraction, target)),
+        ("peers online", _value(peers)),
+        ("run speed", _value(fmt_speed(state.run_samples_per_s))),
+        ("step time", _value(fmt_duration(state.step_time_s))),
+        ("next step in", _value(fmt_duration(state.eta_s))),
+    ]
+
+
+def local_rows(state: ViewState) -> list[Row]:
+    loss = Text.assemble((fmt_float(state.loss), "bold"), " ", (sparkline(state.loss_history), "cyan"))
+    share = state.contribution_share
+    share_text = fmt_percent(share)
+    if share is not None:
+        share_text += f" (last {_plural(len(state.recent_steps), 'step')})"
+    return [
+        ("loss", loss),
+        ("speed", _value(fmt_speed(state.local_samples_per_s) if state.micro_batches else MISSING)),
+        ("this step", _value(_plural(state.local_samples, "sample"))),
+        ("my share", _value(share_text)),
+        ("steps", _value(f"{state.steps_done} done, {state.steps_missed} missed")),
+        ("lr", _value(MISSING if state.lr is None else f"{state.lr:.3g}")),
+    ]
+
+
+def data_rows(state: ViewState) -> list[Row]:
+    chunks = f"{state.chunks_held}/{state.chunks_total}" if state.chunks_total else MISSING
+    ratio = state.seeding_ratio
+    seeding = MISSING if ratio is None else f"{ratio:.2f}"
+    return [
+        ("chunks", _with_bar(state.chunks_fraction, chunks)),
+        ("down", _value(f"{fmt_rate(state.download_rate)} ({fmt_bytes(state.downloaded)} in all)")),
+        ("up", _value(f"{fmt_rate(state.upload_rate)} ({fmt_bytes(state.uploaded)} in all)")),
+        ("swarm", _value(f"{_plural(state.swarm_peers, 'peer')}, {_plural(state.swarm_seeds, 'seed')}")),
+        ("seed ratio", _value(seeding)),
+    ]
+
+
+def sync_rows(state: ViewState) -> list[Row]:
+    version = MISSING if state.local_step is None else f"step {state.local_step}"
+    if state.state_hash and state.state_step == state.local_step:
+        version += f" · {short_hash(state.state_hash)}"
+    lag = state.lag
+    if lag is None:
+        lag_text = _value(MISSING)
+    elif lag == 0:
+        lag_text = _value("0 steps (in sync)", "bold green")
+    else:
+        lag_text = _value(f"{_plural(lag, 'step')} behind", "bold yellow")
+    rows: list[Row] = [("state", _value(version)), ("lag", lag_text)]
+    if state.syncing:
+        done = f"{fmt_bytes(state.sync_done_bytes)}/{fmt_bytes(state.sync_total_bytes)}"
+        rows.append(("catching up", _with_bar(state.sync_fraction, done)))
+        rows.append(
+            (
+                "download",
+                _value(
+                    f"{fmt_rate(state.sync_rate)}, eta {fmt_duration(state.sync_eta_s)}, "
+                    f"{state.donors_active} donors"
+                ),
+            )
+        )
+    elif state.last_sync_s is not None:
+        rows.append(("caught up in", _value(fmt_duration(state.last_sync_s))))
+    if state.served_step is not None:
+        rows.append(("serving", _value(f"step {state.served_step} ({fmt_bytes(state.served_size)})")))
+    if state.donors_banned:
+        reason = state.donors_banned[-1][1]
+        banned = f"{_ids([d for d, _ in state.donors_banned])}: {reason}"
+        rows.append(("donors banned", _value(banned, "bold red")))
+    return rows
+
+
+def averaging_rows(state: ViewState) -> list[Row]:
+    rows: list[Row] = [("phase", _value(state.phase, "bold magenta"))]
+    r = state.last_round
+    if r is None:
+        rows.append(("last round", _value("none yet")))
+    else:
+        mode = " (client mode: sent only)" if r.my_part < 0 else f" (I own part {r.my_part})"
+        rows.append(
+            (
+                "last round",
+                _value(
+                    f"{r.kind} round for step {r.step}, {fmt_duration(r.duration_s)}, {len(r.members)} members"
+                ),
+            )
+        )
+        rows.append(("members", _value(_ids(r.members) + mode)))
+        rows.append(
+            (
+                "bytes",
+                _value(
+                    f"sent {fmt_bytes(r.bytes_sent)}, received {fmt_bytes(r.bytes_received)}, "
+                    f"{fmt_ratio(r.compression_ratio)} smaller than fp32"
+                ),
+            )
+        )
+        if r.phases:
+            rows.append(("timing", _value(", ".join(f"{k} {fmt_duration(v)}" for k, v in r.phases.items()))))
+        trouble: list[str] = []
+        if r.dropped:
+            trouble.append(f"dropped {_ids(r.dropped)}")
+        if r.rejected:
+            trouble.append(f"rejected {_ids(r.rejected)}")
+        if r.clipped:
+            trouble.append(f"clipped {_ids(r.clipped)}")
+        if r.failed_parts:
+            trouble.append(f"failed parts {', '.join(map(str, r.failed_parts))}")
+        rows.append(("trouble", _value("; ".join(trouble), "bold yellow") if trouble else _value("none")))
+    rounds = f"{state.rounds_done} done, {state.rounds_failed} failed"
+    overall = state.overall_compression
+    if overall is not None:
+        rounds += f", {fmt_ratio(overall)} overall"
+    rows.append(("rounds", _value(rounds)))
+    if state.last_failure:
+        rows.append(("last failure", _value(state.last_failure, "bold yellow")))
+    return rows
+
+
+def log_panel(state: ViewState) -> Panel:
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for i, entry in enumerate(state.log):
+        if i:
+            text.append("\n")
+        text.append(stamp(entry.t) + " ", style="dim")
+        if entry.level != "info":
+            text.append(entry.level.upper() + " ", style=LEVEL_STYLE.get(entry.level, "bold"))
+        text.append(entry.message, style=LEVEL_STYLE.get(entry.level, ""))
+    if not state.log:
+        text.append("nothing yet", style="dim")
+    return Panel(text, title="recent", title_align="left", border_style="blue")
+
+
+def collaboration_panel(state: ViewState, title: str = "collaboration") -> Panel:
+    return _panel(title, collaboration_rows(state))
+
+
+def render(state: ViewState, now: float | None = None) -> RenderableType:
+    """All panels for ``state``. ``now`` (unix seconds) only feeds the uptime; it defaults to the newest
+    event's time, so the same state always renders the same text."""
+    now = state.last_t if now is None else now
+    return Group(
+        header(state, now),
+        _pair(("collaboration", collaboration_rows(state)), ("local training", local_rows(state))),
+        _pair(("data set", data_rows(state)), ("state sync", sync_rows(state))),
+        _panel("averaging", averaging_rows(state)),
+        log_panel(state),
+    )
