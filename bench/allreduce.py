@@ -12,6 +12,7 @@ A round's time is the slowest member's time for that round; the table shows the 
 rounds (after warm-up rounds). "wire MB" is the tensor bytes all members put on the loopback in one round
 (HTTP headers not counted; for gloo the ring's 2(P-1)/P·4N per member). "ready s" is the time from a
 crowdtrain member's process start to its peer server answering (interpreter and imports included).
+``BENCH_DEBUG=1`` prints each member's wall and CPU seconds and phases per round.
 
     .venv/bin/python bench/allreduce.py                  # the full table (several minutes on 2 cores)
     .venv/bin/python bench/allreduce.py --sizes 1M --groups 2 --codecs none,none@-1 --markdown
@@ -113,16 +114,13 @@ def crowdtrain_worker(args) -> None:
         times, sent, raw = [], [], []
         for a in assignments:
             await averager.allreduce(a, sync, 1.0, tag="sync")
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             result = await averager.allreduce(a, x, 1.0, tag="grad")
             times.append(time.perf_counter() - t)
-            if os.environ.get("BENCH_DEBUG"):
-                print(
-                    args.rank,
-                    f"{times[-1]:.3f}",
-                    {k: round(v, 3) for k, v in result.phases.items()},
-                    file=sys.stderr,
-                )
+            if os.environ.get("BENCH_DEBUG"):  # per member and round: wall, CPU of all threads, phases
+                cpu = time.process_time() - cpu
+                phases = {k: round(v, 3) for k, v in result.phases.items()}
+                print(args.rank, f"wall {times[-1]:.3f} s, cpu {cpu:.3f} s", phases, file=sys.stderr)
             sent.append(result.bytes_sent)
             raw.append(result.raw_bytes)
             if result.failed_parts or result.dropped or result.rejected:

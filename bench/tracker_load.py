@@ -267,6 +267,8 @@ def run_one(peers: int, seconds: float, conns: int, baseline: bool) -> list[dict
             str(Path(tmp) / "t.sqlite3"),
             "--join-rate",
             "0",
+            "--announce-rate",
+            "0",
             "--peer-ttl",
             "600",
         ]

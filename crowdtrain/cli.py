@@ -71,6 +71,9 @@ SUBAPPS: list[tuple[str, str, str]] = [
 # Single commands that sit at the root: (module, attribute, command name).
 COMMANDS: list[tuple[str, str, str]] = [
     ("crowdtrain.commands.status", "status", "status"),
+    ("crowdtrain.commands.join", "join", "join"),
+    ("crowdtrain.commands.export", "export", "export"),
+    ("crowdtrain.commands.demo", "demo", "demo"),
 ]
 
 for _module, _attr, _name in SUBAPPS:

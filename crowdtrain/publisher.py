@@ -24,5 +24,11 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
     model = dict(model)
     if not model.get("param_hash"):
         model["param_hash"] = _param_hash(model)
-    doc = {"name": name, "model": model, "dataset": dataset, "torrent": base64.b64encode(torrent).decode(), **settings}
+    doc = {
+        "name": name,
+        "model": model,
+        "dataset": dataset,
+        "torrent": base64.b64encode(torrent).decode(),
+        **settings,
+    }
     return convert(doc, RunCreate)

@@ -160,6 +160,8 @@ class Download:
         self.verify_failures = 0
         self._awaiting_flush: set[int] = set()
         self._verify_lock = asyncio.Lock()
+        self._tries: dict[int, int] = {}
+        self._failed: BaseException | None = None  # the session's alert loop died
         self._checked = asyncio.Event()
         self._complete = asyncio.Event()
         self._peer_bytes: dict[tuple[str, str], tuple[int, int]] = {}
@@ -203,10 +205,16 @@ class Download:
 
     async def wait_checked(self) -> None:
         await self._checked.wait()
+        self._raise_failed()
 
     async def wait_complete(self) -> None:
         """Return once every chunk is verified (the caller bounds this with its own timeout)."""
         await self._complete.wait()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise DatasetError(f"The BitTorrent session failed: {self._failed}") from self._failed
 
     # -------------------------------------------------------------- internals
 
@@ -298,6 +306,7 @@ class TorrentSession:
             self._failure = task.exception()
             log.error("libtorrent alert loop failed", exc_info=self._failure)
             for d in self._downloads.values():  # wake waiters so they see the failure
+                d._failed = self._failure
                 d._complete.set()
                 d._checked.set()
 
@@ -432,12 +441,14 @@ class TorrentSession:
     # -------------------------------------------------------------- alert loop
 
     async def _run_pump(self) -> None:
-        ses = self._ses
-        assert ses is not None
+        # no local reference to the session: a failure's traceback keeps this frame alive, and the session
+        # must die in close(), not whenever that traceback is collected
         next_scan = time.monotonic() + self.config.scan_interval_s
-        while not self._closing:
-            await asyncio.to_thread(ses.wait_for_alert, self.config.alert_poll_ms)
-            for alert in ses.pop_alerts():
+        while not self._closing and self._ses is not None:
+            await asyncio.to_thread(self._ses.wait_for_alert, self.config.alert_poll_ms)
+            if self._ses is None:
+                break
+            for alert in self._ses.pop_alerts():
                 await self._dispatch(alert)
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + self.config.scan_interval_s
@@ -515,12 +526,19 @@ class TorrentSession:
         except OSError as exc:
             digest = f"unreadable: {exc}"
         if digest != info.sha256:
-            # libtorrent said the file is complete, so its pieces passed SHA-1; a sha256 mismatch means
-            # the data set's torrent and manifest disagree or the disk changed under us.
+            # libtorrent said the file is complete, so its pieces passed SHA-1: either we read before the
+            # data reached the disk (flush and read again), or the torrent and the manifest disagree or the
+            # disk changed under us (after a few tries, make libtorrent re-check the files)
             dl.verify_failures += 1
-            log.warning("chunk %s does not match the manifest's sha256; re-checking it", info.name)
-            if dl.verify_failures <= 3:
+            tries = dl._tries[index] = dl._tries.get(index, 0) + 1
+            if tries < 3:
+                dl._awaiting_flush.add(index)
+                dl.handle.flush_cache()
+            elif tries == 3:
+                log.warning("chunk %s does not match the manifest's sha256; re-checking the files", info.name)
                 dl.handle.force_recheck()
+            else:
+                log.error("chunk %s still does not match the manifest's sha256; it is not used", info.name)
             return
         dl.verified.add(index)
         if dl._on_chunk is not None:

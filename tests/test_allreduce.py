@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -274,6 +276,36 @@ async def test_int8_error_feedback_makes_the_running_sum_converge():
         # without feedback the mean of results keeps the one-round error; with it, the error is spread out
         assert first_error > 0
         assert drift < first_error / 5, (drift, first_error)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+def test_averaging_does_not_import_torch_or_rich():
+    code = "import sys, crowdtrain.volunteer.averaging; print(sorted({'torch', 'rich'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+
+
+async def test_declared_weights_below_the_assignment_are_used_and_early_requests_wait_for_the_owner():
+    config = AveragingConfig()
+    peers = await start_peers(3, config)
+    try:
+        rng = np.random.default_rng(12)
+        vectors = [rng.standard_normal(5000).astype(np.float32) for _ in peers]
+        assignment = assign(peers, [4, 4, 4])
+        declared = [1.0, 3.0, 0.0]
+        early = [
+            asyncio.create_task(p.averager.allreduce(assignment, v, w))
+            for p, v, w in zip(peers[:2], vectors[:2], declared[:2], strict=True)
+        ]
+        await asyncio.sleep(0.3)  # the others' copies of p2's part reach p2 before p2 has the assignment
+        last = await peers[2].averager.allreduce(assignment, vectors[2], declared[2])
+        results = [*(await asyncio.gather(*early)), last]
+        expected = weighted_mean(vectors, declared)
+        for r in results:
+            assert r.failed_parts == () and r.dropped == ()
+            np.testing.assert_allclose(r.values, expected, rtol=1e-6, atol=1e-6)
     finally:
         for p in peers:
             await p.stop()

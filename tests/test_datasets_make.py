@@ -219,3 +219,14 @@ def test_datasets_import_only_protocol_libtorrent_and_numpy(python):
         roots & {"torch", "aiohttp", "rich", "typer"}
     )
     assert not {m for m in loaded if m.startswith(("crowdtrain.volunteer", "crowdtrain.tracker"))}
+
+
+def test_progress_reports_monotonic_bytes_up_to_the_total(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((2000, 8), np.float32))  # an N-D .npy: an arrays set without labels
+    seen: list[tuple[int, int]] = []
+    m = make_dataset(
+        tmp_path / "x.npy", tmp_path / "out", chunk_bytes=8 * KiB, progress=lambda d, t: seen.append((d, t))
+    )
+    assert (m.kind, m.label_dtype, m.sample_shape, m.total_samples) == ("arrays", None, [8], 2000)
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and seen[-1] == (2000 * 32, 2000 * 32)

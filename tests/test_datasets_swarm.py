@@ -53,9 +53,10 @@ async def published(tmp_path: Path, *, size: int, chunk: int) -> AsyncIterator[P
         async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
             await client.register_dataset(infohash_of(torrent), manifest.name)
         yield Published(manifest, torrent, src, tracker.announce_url)
-    # asyncio finishes closing a transport one loop iteration after close(); the tracker's shutdown closes
-    # libtorrent's keep-alive announce connections, so let the loop run before pytest closes it
-    await asyncio.sleep(0.1)
+        # libtorrent's shutdown leaves its "stopped" announce connections to close on their own; a tracker
+        # stopped in the middle of one leaks its server-side transport (ResourceWarning), so let them finish
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(0.1)  # asyncio closes a transport one loop iteration after close()
 
 
 class Learner:
@@ -270,3 +271,20 @@ async def test_a_bep19_web_seed_alone_serves_the_whole_data_set(tmp_path):
     finally:
         await runner.cleanup()
     await asyncio.sleep(0.1)
+
+
+async def test_a_failing_chunk_callback_surfaces_instead_of_hanging(tmp_path):
+    async with published(tmp_path, size=256 * KiB, chunk=64 * KiB) as pub:
+        async with TorrentSession() as seeder:
+            await seeder.seed(pub.src, pub.torrent)
+            ses = await TorrentSession().start()
+
+            def on_chunk(event: ChunkReady) -> None:
+                raise RuntimeError(f"the trainer could not take chunk {event.index}")
+
+            dl = await ses.stream(pub.torrent, tmp_path / "dl", pub.manifest, seed=0, on_chunk=on_chunk)
+            with pytest.raises(DatasetError, match="session failed: the trainer could not take chunk"):
+                async with asyncio.timeout(WAIT_S):
+                    await dl.wait_complete()
+            with pytest.raises(DatasetError, match="session failed"):
+                await ses.close()

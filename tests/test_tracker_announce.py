@@ -231,3 +231,29 @@ def test_any_query_string_parses_or_fails_with_a_reason(raw):
         answer_announce(req, "127.0.0.1", Swarms(100), 30, 5, 100)
     except ProtocolError as exc:
         assert str(exc)
+
+
+def test_swarm_index_stays_consistent_and_samples_are_distinct():
+    import random
+
+    from crowdtrain.tracker.swarm import Swarm, SwarmPeer
+
+    swarm = Swarm()
+    rng = random.Random(5)
+    alive: set[bytes] = set()
+    for step in range(3000):
+        pid = f"{rng.randrange(400):020d}".encode()
+        if rng.random() < 0.3:
+            swarm.remove(pid)
+            alive.discard(pid)
+        else:
+            swarm.upsert(SwarmPeer(pid, "127.0.0.1", bytes(4), 1 + step % 60000, rng.random() < 0.5, 0.0))
+            alive.add(pid)
+        if step % 100 == 0 and alive:
+            assert {p.peer_id for p in swarm.peers} == alive
+            assert all(swarm.peers[i].peer_id == pid for pid, i in swarm.index.items())
+            assert swarm.seeders == sum(p.seeding for p in swarm.peers)
+            me = next(iter(alive))
+            got = swarm.sample(50, exclude=me)
+            assert len(got) == min(50, len(alive) - 1)
+            assert len({p.peer_id for p in got}) == len(got) and me not in {p.peer_id for p in got}

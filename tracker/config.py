@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,10 @@ class TrackerConfig:
     max_swarm_peers: int = 100_000  # BitTorrent peers per info-hash
     join_rate_per_s: float = 20.0  # joins per second per client IP (token bucket); 0 = unlimited
     join_burst: int = 200
+    # BitTorrent announces and scrapes per client IP (token bucket); 0 = unlimited. A client announces
+    # every ``announce_interval_s``; the burst leaves room for many clients behind one NAT address.
+    announce_rate_per_s: float = 50.0
+    announce_burst: int = 500
     reachability_concurrency: int = 64
     credential_ttl_s: float = 24 * 3600.0  # a volunteer joins again after this long
 
@@ -78,12 +83,15 @@ class TrackerConfig:
             "max_peers_per_run",
             "max_swarm_peers",
             "join_burst",
+            "announce_burst",
             "reachability_concurrency",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be at least 1")
         if self.join_rate_per_s < 0:
             raise ConfigError("join_rate_per_s", "must be 0 (unlimited) or a positive rate")
+        if not (math.isfinite(self.announce_rate_per_s) and self.announce_rate_per_s >= 0):
+            raise ConfigError("announce_rate_per_s", "must be 0 (unlimited) or a positive rate")
 
     @property
     def swarm_ttl_s(self) -> float:

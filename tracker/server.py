@@ -162,6 +162,7 @@ class Tracker:
             self.public_key, self.store.get_or_set_meta("session_secret", secrets.token_bytes(32))
         )
         self.join_limit = TokenBucket(config.join_rate_per_s, config.join_burst)
+        self.announce_limit = TokenBucket(config.announce_rate_per_s, config.announce_burst)
         self.runs: dict[str, RunState] = {}
         self.torrents: dict[str, bytes] = {}
         self.join_tokens: dict[str, str | None] = {}
@@ -374,6 +375,12 @@ class Tracker:
 
     async def announce(self, request: web.Request) -> web.Response:
         self.metrics.announces.inc()
+        if not self.announce_limit.allow(request.remote or ""):
+            self.metrics.announce_errors.inc()
+            return web.Response(
+                body=failure("too many announces from your address; wait a minute and announce again"),
+                content_type="text/plain",
+            )
         try:
             req = parse_announce(request.rel_url.raw_query_string, self.config.max_numwant)
             if not self.config.open and req.info_hash not in self.registered:
@@ -392,6 +399,11 @@ class Tracker:
         return web.Response(body=body, content_type="text/plain")
 
     async def scrape(self, request: web.Request) -> web.Response:
+        if not self.announce_limit.allow(request.remote or ""):
+            return web.Response(
+                body=failure("too many scrapes from your address; wait a minute and scrape again"),
+                content_type="text/plain",
+            )
         try:
             body = answer_scrape(
                 request.rel_url.raw_query_string, self.swarms, None if self.config.open else self.registered

@@ -1,7 +1,8 @@
 """In-memory BitTorrent swarms: who announced which info-hash, and random samples of them.
 
-Each swarm keeps its peers in a list plus an index, so adding, removing and drawing ``numwant`` random
-peers cost O(1) per peer whatever the swarm's size.
+Each swarm keeps its peers in a list plus an index. A new peer goes to a random position (the one there
+moves to the end), so the list is always a random permutation, and a sample of ``numwant`` peers is a
+window at a random offset: adding, removing and sampling cost O(1) per peer whatever the swarm's size.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import ipaddress
 import random
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -37,8 +37,16 @@ class Swarm:
     def upsert(self, peer: SwarmPeer) -> None:
         i = self.index.get(peer.peer_id)
         if i is None:
-            self.index[peer.peer_id] = len(self.peers)
-            self.peers.append(peer)
+            n = len(self.peers)
+            j = int(random.random() * (n + 1))
+            if j == n:
+                self.peers.append(peer)
+            else:
+                moved = self.peers[j]
+                self.peers.append(moved)
+                self.index[moved.peer_id] = n
+                self.peers[j] = peer
+            self.index[peer.peer_id] = j
         else:
             self.seeders -= self.peers[i].seeding
             self.peers[i] = peer
@@ -60,14 +68,13 @@ class Swarm:
         if n == 0 or count <= 0:
             return []
         if n <= count + 1:
-            picks: Iterable[int] = range(n)
-        elif n < 8 * count:
-            picks = random.sample(range(n), count + 1)
-        else:  # independent draws, duplicates dropped (few when n >> count): cheaper than random.sample
-            rnd = random.random
-            picks = {int(rnd() * n) for _ in range(count + 1)}
-        out = [self.peers[i] for i in picks if self.peers[i].peer_id != exclude]
-        return out[:count]
+            window = self.peers
+        else:
+            start = int(random.random() * n)
+            window = self.peers[start : start + count + 1]
+            if len(window) < count + 1:
+                window += self.peers[: count + 1 - len(window)]
+        return [p for p in window if p.peer_id != exclude][:count]
 
     def expire(self, before: float) -> int:
         stale = [p.peer_id for p in self.peers if p.last_seen < before]

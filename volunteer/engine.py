@@ -42,7 +42,7 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.averaging.allreduce import Averager
+from crowdtrain.volunteer.averaging.allreduce import Averager, part_bounds
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.models import check_param_hash, get_recipe
@@ -80,7 +80,9 @@ def resolve_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise CrowdtrainError("--device cuda was asked for, but torch sees no CUDA device; use --device cpu or auto.")
+        raise CrowdtrainError(
+            "--device cuda was asked for, but torch sees no CUDA device; use --device cpu or auto."
+        )
     return requested
 
 
@@ -123,6 +125,11 @@ class Volunteer:
         """Ask the engine to leave after the current micro-batch or round."""
         self._stop.set()
 
+    def _note(self, level: int, message: str, *args: object) -> None:
+        """A line for the user: the view shows it (log panel, plain or JSON line); no second copy in logging."""
+        text = message % args if args else message
+        self.emit(ev.LogLine(level=logging.getLevelName(level), message=text))
+
     def _phase(self, phase: str) -> None:
         self.emit(ev.PhaseChanged(phase=phase))
 
@@ -143,7 +150,9 @@ class Volunteer:
 
             join = await tracker.join(
                 cfg.run_id,
-                JoinRequest(public_key=self.key.public_hex, token=cfg.token, device=device, client_version=__version__),
+                JoinRequest(
+                    public_key=self.key.public_hex, token=cfg.token, device=device, client_version=__version__
+                ),
             )
             self.peer_id = join.peer_id
             self.credential = join.credential
@@ -162,7 +171,10 @@ class Volunteer:
                 emit=self.emit,
             )
             self.state_server = StateServer(
-                run_id=cfg.run_id, tracker_public_key=spec.tracker_public_key, config=cfg.state, emit=self.emit
+                run_id=cfg.run_id,
+                tracker_public_key=spec.tracker_public_key,
+                config=cfg.state,
+                emit=self.emit,
             )
             server = PeerServer(cfg.host, cfg.port)
             server.peer_id = join.peer_id
@@ -173,7 +185,9 @@ class Volunteer:
                 self._address = f"{cfg.advertise_host or cfg.host}:{port}"
 
             manifest = spec.dataset.manifest
-            self.sampler_seed = cfg.seed if cfg.seed is not None else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
+            self.sampler_seed = (
+                cfg.seed if cfg.seed is not None else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
+            )
             self.sampler = Sampler(
                 manifest,
                 cfg.data_dir,
@@ -216,7 +230,9 @@ class Volunteer:
                     self._pending_state.cancel()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
                     async with asyncio.timeout(LEAVE_TIMEOUT_S):
-                        await tracker.leave(cfg.run_id, LeaveRequest(peer_id=self.peer_id), self.key, self.credential)
+                        await tracker.leave(
+                            cfg.run_id, LeaveRequest(peer_id=self.peer_id), self.key, self.credential
+                        )
                 await self.averager.close()
                 await server.stop()
                 await self.torrent.close()
@@ -307,12 +323,16 @@ class Volunteer:
             try:
                 await self._heartbeat_once()
                 if failures:
-                    log.info("tracker answers again after %d failed heartbeats", failures)
+                    self._note(logging.INFO, "tracker answers again after %d failed heartbeats", failures)
                 failures = 0
             except TrackerError as exc:
                 failures += 1
                 if failures in (1, 10) or failures % 60 == 0:
-                    log.warning("heartbeat failed (%s); training goes on and will report when it is back", exc)
+                    self._note(
+                        logging.WARNING,
+                        "heartbeat failed (%s); training goes on and will report when it is back",
+                        exc,
+                    )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.heartbeat_interval)
 
@@ -332,7 +352,9 @@ class Volunteer:
                 return
             if self._pending_state is not None and self._pending_state.done():
                 await self._switch_to_fetched_state()
-            want = "catching-up" if self._pending_state else "training" if self.sampler.ready else "downloading"
+            want = (
+                "catching-up" if self._pending_state else "training" if self.sampler.ready else "downloading"
+            )
             if want != phase:
                 phase = want
                 self._phase(phase)
@@ -381,10 +403,17 @@ class Volunteer:
         lag = global_step - self.step
         if self._pending_state is None:
             if lag > tolerance and self.config.catch_up:
-                log.info("%d steps behind the run (tolerance %d); fetching the current state", lag, tolerance)
+                self._note(
+                    logging.INFO,
+                    "%d steps behind the run (tolerance %d); fetching the current state",
+                    lag,
+                    tolerance,
+                )
                 self._start_catch_up()
             else:
-                self.emit(ev.StepMissed(step=self.step, now_step=global_step, kept_samples=self.trainer.samples))
+                self.emit(
+                    ev.StepMissed(step=self.step, now_step=global_step, kept_samples=self.trainer.samples)
+                )
                 self.summary.steps_missed += 1
         self.step = global_step
 
@@ -405,13 +434,30 @@ class Volunteer:
         try:
             result = await self.averager.allreduce(assignment, grad, float(weight), tag="grad")
         except AveragingError as exc:
-            log.warning("averaging round of step %d failed (%s); this peer will fetch the state", step, exc)
-            self.emit(ev.RoundFailed(round_id=assignment.round_id, step=step, reason=str(exc)))
+            self._note(
+                logging.WARNING,
+                "averaging round of step %d failed (%s); this peer will fetch the state",
+                step,
+                exc,
+            )
             self.step = step + 1
             self._replay.clear()
             if self.config.catch_up:
                 self._start_catch_up()
             return
+        if result.failed_parts:
+            # The owner of these parts died or refused us: our local values there are ours alone, and
+            # applying them would set this peer apart from the rest of its group. Every member that lost
+            # the same owner skips the same slices, so the group stays equal.
+            bounds = part_bounds(result.values.size, assignment.parts)
+            for part in result.failed_parts:
+                result.values[bounds[part][0] : bounds[part][1]] = 0.0
+            self._note(
+                logging.WARNING,
+                "step %d: parts %s of the gradient were not averaged (their owner failed); skipping them",
+                step,
+                list(result.failed_parts),
+            )
         group_samples = sum(m.weight for m in assignment.members)
         if catching_up:
             params = await self._average_params(assignment, weight=0.0) if assignment.average_params else None
@@ -453,7 +499,7 @@ class Volunteer:
                     self.credential,
                 )
             except TrackerError as exc:
-                log.warning("could not ask the tracker for a group (%s); training on", exc)
+                self._note(logging.WARNING, "could not ask the tracker for a group (%s); training on", exc)
                 return None
             if reply.status == "group" and reply.assignment is not None:
                 verify_assignment(reply.assignment, self.spec.tracker_public_key)
@@ -472,10 +518,10 @@ class Volunteer:
         try:
             result = await self.averager.allreduce(assignment, params, weight, tag="params")
         except AveragingError as exc:
-            log.warning("parameter averaging failed (%s); keeping local parameters", exc)
+            self._note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
             return None
         if result.failed_parts or not np.isfinite(result.values).all():
-            log.warning("parameter averaging was partial; keeping local parameters")
+            self._note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
             return None
         return result.values
 
@@ -504,7 +550,9 @@ class Volunteer:
                 self.credential,
             )
         except TrackerError as exc:
-            log.warning("could not declare state version %d to the tracker (%s)", self.step, exc)
+            self._note(
+                logging.WARNING, "could not declare state version %d to the tracker (%s)", self.step, exc
+            )
 
     def _start_catch_up(self) -> None:
         if self._pending_state is None or self._pending_state.done():
@@ -534,16 +582,23 @@ class Volunteer:
             loaded = task.result()
         except (StateSyncError, TrackerError) as exc:
             # Its parameters are not the run's: keep taking part with weight 0 and try again.
-            log.warning("state catch-up failed (%s); trying again", exc)
+            self._note(logging.WARNING, "state catch-up failed (%s); trying again", exc)
             await asyncio.sleep(1.0)
             self._start_catch_up()
             return
         if loaded is None:
-            log.warning("no peer serves the run's state; training from the initial parameters")
+            self._note(
+                logging.WARNING, "no peer serves the run's state; training from the initial parameters"
+            )
             return
         missing = [s for s in range(loaded.step, self.step) if s not in replay]
         if missing:
-            log.info("state of step %d arrived but steps %s passed unseen; fetching a newer one", loaded.step, missing)
+            self._note(
+                logging.INFO,
+                "state of step %d arrived but steps %s passed unseen; fetching a newer one",
+                loaded.step,
+                missing,
+            )
             self._start_catch_up()
             return
         await asyncio.to_thread(self.trainer.load_state, loaded.model_state, loaded.optimizer_state)
@@ -558,5 +613,10 @@ class Volunteer:
         self.summary.caught_up_to = self.step
         if self.record:
             self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
-        log.info("loaded the state of step %d and replayed %d steps", loaded.step, self.step - loaded.step)
+        self._note(
+            logging.INFO,
+            "loaded the state of step %d and replayed %d steps",
+            loaded.step,
+            self.step - loaded.step,
+        )
         self._phase("training")

@@ -48,7 +48,9 @@ def demo(
     steps: int = typer.Option(30, "--steps", min=1, help="Global steps to train before stopping."),
     model: str = typer.Option("tiny-gpt", "--model", help="Model recipe (tiny-gpt on the built-in corpus)."),
     codec: str = typer.Option("int8", "--codec", help="Gradient codec: none, fp16, bf16 or int8."),
-    late: bool = typer.Option(True, "--late/--no-late", help="Start the last volunteer late, to show catch-up."),
+    late: bool = typer.Option(
+        True, "--late/--no-late", help="Start the last volunteer late, to show catch-up."
+    ),
     plain: bool = typer.Option(False, "--plain", help="Print lines instead of the live view."),
 ) -> None:
     """Run a tracker, a seeder and N volunteers on this machine, show them train, and print a summary."""
@@ -97,7 +99,10 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
                 build_run_create,
                 data,
                 name="demo",
-                model={"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}},
+                model={
+                    "recipe": "tiny-gpt",
+                    "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64},
+                },
                 target_batch_size=96,
                 micro_batch_size=16,
                 optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
@@ -117,11 +122,23 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
 
             seeder = TorrentSession(SessionConfig(upload_rate_limit=DEMO_SEEDER_RATE))
             await seeder.start()
-            seed_download = await seeder.seed(data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest)
+            seed_download = await seeder.seed(
+                data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest
+            )
             procs = [VolunteerProc(name=f"volunteer-{i + 1}", state=ViewState()) for i in range(n)]
             try:
                 await _run_volunteers(
-                    procs, tracker.url, spec.run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live
+                    procs,
+                    tracker.url,
+                    spec.run_id,
+                    tmp,
+                    steps,
+                    late,
+                    plain,
+                    console,
+                    render_demo,
+                    DemoRow,
+                    Live,
                 )
             finally:
                 await _stop_all(procs)
@@ -130,7 +147,9 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
             _summary(console, procs, steps, time.monotonic() - started, seeder_uploaded)
 
 
-async def _run_volunteers(procs, tracker_url, run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live):
+async def _run_volunteers(
+    procs, tracker_url, run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live
+):
     from crowdtrain.volunteer.view.lines import parse_json_line, plain_line
     from crowdtrain.volunteer.view.state import apply
 
@@ -175,7 +194,9 @@ async def _run_volunteers(procs, tracker_url, run_id, tmp, steps, late, plain, c
                 p.raw_bytes += event.raw_bytes
             elif isinstance(event, ev.TorrentStats):
                 p.downloaded = event.downloaded
-            if plain and isinstance(event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed):
+            if plain and isinstance(
+                event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed
+            ):
                 line = plain_line(event)
                 if line:
                     console.print(f"{p.name}: {line}", markup=False, highlight=False)
@@ -222,7 +243,9 @@ async def _run_volunteers(procs, tracker_url, run_id, tmp, steps, late, plain, c
         for line in p.stderr_tail[-8:]:
             console.print(f"  {line}", markup=False, highlight=False)
     if failed:
-        raise CrowdtrainError(f"{len(failed)} of {len(procs)} demo volunteers failed; their last output is above.")
+        raise CrowdtrainError(
+            f"{len(failed)} of {len(procs)} demo volunteers failed; their last output is above."
+        )
 
 
 async def _stop_all(procs: list[VolunteerProc]) -> None:
@@ -266,6 +289,6 @@ def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, see
         f"data set chunks   {downloaded / 1e6:.2f} MB downloaded: {seeder_uploaded / 1e6:.2f} MB from the seeder, "
         f"{from_peers / 1e6:.2f} MB from other volunteers"
     )
-    caught = [p.name for p in procs if p.state.sync_loaded_step is not None]
+    caught = [p.name for p in procs if p.state.last_sync_s is not None]
     if caught:
         console.print(f"state catch-up    {', '.join(caught)} loaded the run's state from peers")

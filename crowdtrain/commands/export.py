@@ -35,7 +35,8 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
             )
         # Peers serve state only to run members, so the exporter joins in client mode and leaves again.
         join = await tracker.join(
-            run_id, JoinRequest(public_key=key.public_hex, token=token, device="cpu", client_version=__version__)
+            run_id,
+            JoinRequest(public_key=key.public_hex, token=token, device="cpu", client_version=__version__),
         )
         try:
             data = await fetch_state(
@@ -58,7 +59,9 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"crowdtrain": json.dumps(info, sort_keys=True)}
-    await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(out), metadata)
+    await asyncio.to_thread(
+        save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(out), metadata
+    )
     out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return info
 
@@ -67,8 +70,12 @@ def export(
     ctx: typer.Context,
     run_id: str = typer.Argument(..., help="The run whose newest weights to fetch."),
     tracker: str = typer.Option(..., "--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL."),
-    out: Path = typer.Option(..., "--out", help="Where to write the weights (.safetensors); a .json sits beside."),
-    token: str | None = typer.Option(None, "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run."),
+    out: Path = typer.Option(
+        ..., "--out", help="Where to write the weights (.safetensors); a .json sits beside."
+    ),
+    token: str | None = typer.Option(
+        None, "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run."
+    ),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker per request."),
     json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
@@ -77,4 +84,6 @@ def export(
     if wants_json(ctx, json_out):
         typer.echo(json.dumps({**info, "out": str(out)}))
     else:
-        typer.echo(f"wrote {out} ({info['recipe']} at global step {info['step']}) and {out.with_suffix('.json')}")
+        typer.echo(
+            f"wrote {out} ({info['recipe']} at global step {info['step']}) and {out.with_suffix('.json')}"
+        )

@@ -22,11 +22,17 @@ def join(
     run_id: str = typer.Argument(..., help="The run to join (see `crowdtrain status` or the publisher)."),
     tracker: str = typer.Option(..., "--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL."),
     token: str | None = typer.Option(
-        None, "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run.", show_default=False
+        None,
+        "--token",
+        envvar="CROWDTRAIN_JOIN_TOKEN",
+        help="Join token of a private run.",
+        show_default=False,
     ),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (mixed precision on CUDA)."),
     data_dir: Path | None = typer.Option(
-        None, "--data-dir", help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID."
+        None,
+        "--data-dir",
+        help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID.",
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the peer server listens on."),
     port: int = typer.Option(0, "--port", help="Port of the peer server (0: any free port)."),

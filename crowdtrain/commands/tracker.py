@@ -48,6 +48,9 @@ def serve_command(
     join_rate: float = typer.Option(
         20.0, "--join-rate", help="Joins per second per client address; 0 = no limit."
     ),
+    announce_rate: float = typer.Option(
+        50.0, "--announce-rate", help="Announces and scrapes per second per client address; 0 = no limit."
+    ),
 ) -> None:
     """Start a tracker; prints its URL, announce URL and admin token, then serves until Ctrl-C."""
     from crowdtrain.tracker.config import TrackerConfig, default_db_path
@@ -64,6 +67,7 @@ def serve_command(
         announce_interval_s=announce_interval,
         min_announce_interval_s=min_announce_interval,
         join_rate_per_s=join_rate,
+        announce_rate_per_s=announce_rate,
     )
     run_async(_serve(config))
 

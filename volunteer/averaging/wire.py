@@ -139,4 +139,12 @@ def subframe_bounds(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
-__all__ = ["HEADER_ELEMENTS", "HEADER_WEIGHT", "PURPOSE", "Codec", "Coder", "NonFinite", "read_part"]
+__all__ = [
+    "HEADER_ELEMENTS",
+    "HEADER_WEIGHT",
+    "PURPOSE",
+    "Coder",
+    "NonFinite",
+    "read_part",
+    "subframe_bounds",
+]

@@ -1,0 +1,133 @@
+"""A volunteer process SIGKILLed in the middle of an averaging round: the others finish that round by its
+deadline and go on training with equal, finite parameters and a falling loss.
+
+The victim is a real ``crowdtrain join`` process; the two survivors run in this process so that their
+parameters after every step can be compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.engine import Volunteer
+
+from tests.faults import VolunteerProcess, record_outcome
+from tests.harness import published_run
+
+ROUND_TIMEOUT_S = 5.0
+STEPS_AFTER_KILL = 5
+# Big enough that a round lasts long enough (a few 100 ms) for the signal to land in its middle.
+MODEL = {"recipe": "tiny-gpt", "args": {"d_model": 256, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def losses(events: list[ev.Event]) -> list[float]:
+    return [e.loss for e in events if isinstance(e, ev.LocalTraining)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(tmp_path):
+    averaging = {"round_timeout_s": ROUND_TIMEOUT_S, "gather_s": 1.0, "step_timeout_s": 20.0}
+    async with published_run(
+        tmp_path, model=MODEL, averaging=averaging, target_batch_size=96, micro_batch_size=8
+    ) as run:
+        seen: list[list[ev.Event]] = [[], []]
+        survivors = []
+        for i in range(2):
+            v = Volunteer(
+                VolunteerConfig(
+                    run_id=run.spec.run_id,
+                    tracker_url=run.tracker.url,
+                    data_dir=tmp_path / f"survivor-{i}",
+                    seed=100 + i,
+                ),
+                emit=seen[i].append,
+            )
+            v.record = True
+            survivors.append(v)
+        tasks = [asyncio.create_task(v.run()) for v in survivors]
+        victim = await VolunteerProcess.start("victim", run.spec.run_id, run.tracker.url, tmp_path / "victim")
+        try:
+            # The victim catches up from the survivors, then takes part in two full steps...
+            await victim.wait_for(lambda e: isinstance(e, ev.StepDone), 90)
+            second = await victim.wait_for(lambda e: len(victim.of(ev.StepDone)) >= 2, 60)
+            victim_id = victim.of(ev.Joined)[0].peer_id
+            # ...and dies in the middle of the next round.
+            await victim.wait_for(
+                lambda e: isinstance(e, ev.PhaseChanged) and e.phase == "averaging",
+                60,
+                after=victim.events.index(second) + 1,
+            )
+            victim.kill()
+            killed_at = time.time()
+            # What the victim had accumulated for this step (its weight in the round) is lost with it.
+            victim_samples = victim.of(ev.LocalTraining)[-1].samples if victim.of(ev.LocalTraining) else 0
+            kill_step = victim.of(ev.StepDone)[-1].step + 1
+            assert await victim.wait(30) < 0
+            async with asyncio.timeout(120):
+                while min(v.step for v in survivors) < kill_step + 1 + STEPS_AFTER_KILL:
+                    await asyncio.sleep(0.1)
+        finally:
+            await victim.stop()
+            for v in survivors:
+                v.stop()
+            summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    # The round the victim died in was completed by the survivors, by its deadline, without the victim.
+    for events in seen:
+        done = [e for e in events if isinstance(e, ev.StepDone) and e.step == kill_step]
+        assert len(done) == 1, f"survivors did not complete step {kill_step}"
+        rounds = [
+            e for e in events if isinstance(e, ev.RoundDone) and e.step == kill_step and e.kind == "grad"
+        ]
+        assert len(rounds) == 1
+        (killed_round,) = rounds
+        assert victim_id in killed_round.members
+        assert victim_id in killed_round.dropped or killed_round.failed_parts, killed_round
+        assert killed_round.duration_s <= ROUND_TIMEOUT_S + 3.0  # the deadline plus the grace for answers
+        later = [e for e in events if isinstance(e, ev.RoundDone) and e.kind == "grad" and e.step > kill_step]
+        assert later and all(victim_id not in e.members for e in later)
+    # They went on, stepping together: equal and finite parameters after every step they both took.
+    common = sorted(set(survivors[0].param_history) & set(survivors[1].param_history))
+    assert [s for s in common if s > kill_step + STEPS_AFTER_KILL]
+    for step in common:
+        a, b = survivors[0].param_history[step], survivors[1].param_history[step]
+        assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
+        np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
+    # And they still learn.
+    for events in seen:
+        curve = losses(events)
+        assert np.mean(curve[-3:]) < np.mean(curve[:3]), curve
+    recovered = min(
+        e.t for events in seen for e in events if isinstance(e, ev.StepDone) and e.step == kill_step
+    )
+    record_outcome(
+        "volunteer SIGKILLed mid-round",
+        rounds_completed=min(s.steps_done for s in summaries),
+        killed_round_completed=True,
+        steps_after_kill=min(v.step for v in survivors) - kill_step - 1,
+        samples_lost=victim_samples,
+        time_to_recover_s=round(recovered - killed_at, 2),
+        round_timeout_s=ROUND_TIMEOUT_S,
+        params_equal=True,
+        dropped_or_failed="dropped "
+        + ",".join(killed_round.dropped)
+        + "; failed parts "
+        + ",".join(map(str, killed_round.failed_parts)),
+        loss_first=round(float(np.mean(losses(seen[0])[:3])), 3),
+        loss_last=round(float(np.mean(losses(seen[0])[-3:])), 3),
+    )

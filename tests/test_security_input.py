@@ -1,0 +1,324 @@
+"""Hostile input the other suites leave out: per-IP rate limits on the tracker's announces, a live
+tracker fuzzed through its announce and scrape query strings (only bencoded ``failure reason``s, never a
+500), ``crowdtrain dataset info`` on mutated manifests and torrents (a sentence, never a traceback), and a
+flood of bogus all-reduce POSTs against a real peer server (refused, nothing retained, memory bounded).
+
+Unit-level fuzzing of frames and JSON messages lives in ``test_fuzz_protocol.py``; parse-level fuzzing of
+announce strings in ``test_tracker_announce.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import http.client
+import json
+import os
+import threading
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote_from_bytes
+
+import aiohttp
+import numpy as np
+import pytest
+from crowdtrain.datasets.make import make_dataset
+from crowdtrain.protocol import bencode
+from crowdtrain.protocol.credentials import SigningKey, issue_credential
+from crowdtrain.protocol.errors import CrowdtrainError, ProtocolError
+from crowdtrain.protocol.messages import DatasetManifest, decode
+from crowdtrain.protocol.peerauth import sign_headers
+from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.fixtures import make_torrent
+from crowdtrain.tracker.server import serve
+from crowdtrain.volunteer.averaging import Averager, AveragingConfig
+from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
+from crowdtrain.volunteer.peer_server import PeerServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from crowdtrain.cli import app
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("CROWDTRAIN_FUZZ_EXAMPLES", "120")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+INFO_HASH = bencode.infohash_v1(make_torrent("fuzz", b"y" * 20000))
+
+
+# ---------------------------------------------------------------------------------------------- rate limits
+
+
+async def test_announces_beyond_the_per_address_rate_get_a_failure_reason_and_others_are_not_affected():
+    config = TrackerConfig(open=True, announce_rate_per_s=0.01, announce_burst=5)
+    async with serve(config) as tracker, aiohttp.ClientSession() as http:
+        query = (
+            f"info_hash={quote_from_bytes(bytes.fromhex(INFO_HASH))}&peer_id={'-CT0001-' + 'a' * 12}"
+            "&port=6881&uploaded=0&downloaded=0&left=0&compact=1"
+        )
+
+        async def announce() -> dict:
+            async with http.get(f"{tracker.url}/announce?{query}") as resp:
+                assert resp.status == 200
+                return bencode.decode(await resp.read())
+
+        replies = [await announce() for _ in range(8)]
+        assert all(b"interval" in r for r in replies[:5]), replies[:5]
+        for r in replies[5:]:
+            assert b"too many announces from your address" in r[b"failure reason"], r
+        async with http.get(
+            f"{tracker.url}/scrape?info_hash={quote_from_bytes(bytes.fromhex(INFO_HASH))}"
+        ) as r:
+            assert b"too many scrapes" in bencode.decode(await r.read())[b"failure reason"]
+        # the limit is per address: a request from another client address is served
+        tracker.announce_limit.state.pop("127.0.0.1")
+        assert b"interval" in await announce()
+        assert len(tracker.announce_limit.state) == 1
+
+
+# ---------------------------------------------------------------------------------------------- live announce fuzz
+
+
+@pytest.fixture(scope="module")
+def live_tracker() -> Iterator[tuple[str, int]]:
+    """A real tracker in a thread of its own (hypothesis drives it with blocking HTTP requests)."""
+    ready: list = []
+    started = threading.Event()
+    loop_box: list[asyncio.AbstractEventLoop] = []
+    stop_box: list[asyncio.Event] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        stop_box.append(stop)
+        loop_box.append(asyncio.get_running_loop())
+        async with serve(TrackerConfig(announce_rate_per_s=0)) as tracker:
+            tracker.registered.add(bytes.fromhex(INFO_HASH))
+            ready.append(tracker)
+            started.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert started.wait(30), "the tracker did not start"
+    tracker = ready[0]
+    yield "127.0.0.1", tracker.port
+    loop_box[0].call_soon_threadsafe(stop_box[0].set)
+    thread.join(30)
+    assert tracker.metrics is not None
+
+
+def get(host: str, port: int, target: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("GET", target)
+        resp = conn.getresponse()
+        return resp.status, resp.read(1 << 20)
+    finally:
+        conn.close()
+
+
+def escaped(raw: bytes) -> str:
+    return quote_from_bytes(raw, safe="")
+
+
+KEYS = ["info_hash", "peer_id", "port", "uploaded", "downloaded", "left", "compact", "event", "numwant"]
+KEYS += ["ip", "key", "trackerid", "no_peer_id", "ipv6", "ipv4", ""]
+values = st.one_of(
+    st.binary(max_size=30).map(escaped),
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.sampled_from(["started", "stopped", "completed", "paused", "1", "0", "nan", "inf", "-0", "%", "%zz"]),
+    st.just(escaped(bytes.fromhex(INFO_HASH))),
+    st.text(alphabet="abcdefXYZ0123456789%+-._~", max_size=40),
+)
+pairs = st.lists(
+    st.tuples(st.one_of(st.sampled_from(KEYS), st.text(alphabet="abz_%=&", max_size=8)), values), max_size=14
+)
+junk = st.text(alphabet="".join(chr(c) for c in range(0x21, 0x7F)), max_size=400)
+
+
+@FUZZ
+@given(query=st.one_of(pairs.map(lambda ps: "&".join(f"{k}={v}" for k, v in ps)), junk))
+def test_live_announce_answers_any_query_with_bencode_never_a_500(live_tracker, query):
+    host, port = live_tracker
+    for path in ("/announce", "/scrape"):
+        status, body = get(host, port, f"{path}?{query}")
+        assert status == 200, (path, query, status, body[:200])
+        reply = bencode.decode(body)
+        assert isinstance(reply, dict)
+        if b"failure reason" in reply:
+            reason = reply[b"failure reason"].decode()
+            assert len(reason.split()) >= 3 and "Traceback" not in reason, reason
+        elif path == "/announce":
+            assert b"interval" in reply and b"peers" in reply, reply
+
+
+def test_oversized_announce_line_is_refused_by_http_not_by_a_crash(live_tracker):
+    host, port = live_tracker
+    status, _ = get(host, port, "/announce?" + "a" * 20_000)
+    assert status in (200, 400, 414, 431)
+    assert get(host, port, "/healthz")[0] == 200  # still serving
+
+
+# ---------------------------------------------------------------------------------------------- dataset info
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fuzz-dataset") / "ds"
+    make_dataset("builtin:stdlib", out, chunk_bytes=64 * 1024, name="fuzz", max_bytes=200 * 1024)
+    return out
+
+
+runner = CliRunner()
+
+
+def dataset_info(path: Path) -> tuple[int, str]:
+    """``crowdtrain dataset info PATH --json`` in this process; (exit code, output). The root's ``main``
+    turns a CrowdtrainError into one sentence and exit 1, so that is the only exception allowed here."""
+    result = runner.invoke(app, ["dataset", "info", str(path), "--json"])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        assert isinstance(result.exception, CrowdtrainError), (
+            f"dataset info crashed with {type(result.exception).__name__}: {result.exception}"
+        )
+        text = str(result.exception)
+        assert len(text.split()) >= 4 and "Traceback" not in text, text
+        return 1, text
+    return result.exit_code, result.output
+
+
+def mutate(data: bytes, edits: list[tuple[int, int]], cut: int | None) -> bytes:
+    buf = bytearray(data)
+    for pos, byte in edits:
+        if buf:
+            buf[pos % len(buf)] = byte
+    return bytes(buf[:cut] if cut is not None else buf)
+
+
+@FUZZ
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 4000)),
+)
+def test_mutated_manifest_is_a_protocol_error_or_a_manifest(dataset, edits, cut):
+    data = mutate((dataset / "manifest.json").read_bytes(), edits, cut)
+    try:
+        m = decode(data, DatasetManifest)
+    except ProtocolError as exc:
+        assert str(exc)
+        return
+    assert isinstance(m, DatasetManifest)
+
+
+@settings(FUZZ, max_examples=min(FUZZ.max_examples, 40))
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 4000)),
+    which=st.sampled_from(["manifest", "torrent"]),
+)
+def test_dataset_info_on_a_mutated_folder_prints_info_or_one_sentence(
+    dataset, tmp_path_factory, edits, cut, which
+):
+    folder = tmp_path_factory.mktemp("mutated")
+    for f in dataset.iterdir():
+        if f.name == "manifest.json" or f.suffix == ".torrent":
+            data = f.read_bytes()
+            hit = (which == "manifest") == (f.name == "manifest.json")
+            (folder / f.name).write_bytes(mutate(data, edits, cut) if hit else data)
+    code, out = dataset_info(folder)
+    if code == 0:
+        assert json.loads(out)["name"]
+    else:
+        assert code == 1 and out
+
+
+@settings(FUZZ, max_examples=min(FUZZ.max_examples, 60))
+@given(
+    data=st.one_of(
+        st.binary(max_size=2000),
+        st.builds(
+            mutate,
+            st.just(make_torrent("fuzz", b"z" * 50000)),
+            st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=4),
+            st.one_of(st.none(), st.integers(0, 400)),
+        ),
+        st.integers(1, 100_000).map(lambda depth: b"l" * depth + b"e" * depth),  # deep nesting
+        st.integers(0, 2**62).map(
+            lambda n: b"d4:infod6:lengthi%de4:name1:x12:piece lengthi16384e6:pieces0:ee" % n
+        ),
+    )
+)
+def test_dataset_info_on_a_hostile_torrent_prints_info_or_one_sentence(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("torrent") / "x.torrent"
+    path.write_bytes(data)
+    code, out = dataset_info(path)
+    assert code in (0, 1), out
+    if code == 0:
+        assert json.loads(out)["infohash"]
+
+
+def test_dataset_info_refuses_a_huge_file_before_reading_it(tmp_path):
+    path = tmp_path / "huge.torrent"
+    with path.open("wb") as f:
+        f.truncate(200 << 20)  # sparse: costs no disk
+    code, text = dataset_info(path)
+    assert code == 1 and "larger than" in text, text
+
+
+# ---------------------------------------------------------------------------------------------- peer-server flood
+
+
+async def test_flood_of_bogus_allreduce_posts_is_refused_and_retains_nothing():
+    tracker_key = SigningKey()
+    run_id = "run-flood"
+    key = SigningKey()
+    credential = issue_credential(tracker_key, run_id, "owner", key.public_hex, 3600)
+    averager = Averager(
+        run_id=run_id,
+        tracker_public_key=tracker_key.public_hex,
+        peer_id="owner",
+        key=key,
+        credential=credential,
+        config=AveragingConfig(assignment_wait_s=0.2),
+    )
+    server = PeerServer("127.0.0.1", 0)
+    server.add_routes(averager.routes())
+    port = await server.start()
+    attacker = SigningKey()
+    member = issue_credential(tracker_key, run_id, "member", attacker.public_hex, 3600)
+    body = np.random.default_rng(0).bytes(1 << 20)  # 1 MiB of noise per request
+    statuses: dict[int, int] = {}
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as http:
+
+            async def post(i: int) -> None:
+                headers = {HEADER_WEIGHT: "1.0", HEADER_ELEMENTS: str(1 << 18)}
+                if i % 2:  # half are signed by a real run member, for rounds this peer never had
+                    fields = (f"r{i}/grad", 0, "1.0", str(1 << 18))
+                    headers |= sign_headers(attacker, member, "allreduce", *fields)
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.post(
+                        f"http://127.0.0.1:{port}/v1/allreduce/r{i}/grad/0", data=body, headers=headers
+                    ) as r:
+                        statuses[r.status] = statuses.get(r.status, 0) + 1
+                        assert len(await r.read()) < 4096
+
+            await asyncio.gather(*(post(i) for i in range(8)))  # warm up allocators and the connection pool
+            gc.collect()
+            tracemalloc.start()
+            try:
+                await asyncio.gather(*(post(i) for i in range(8, 208)))
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+    finally:
+        await averager.close()
+        await server.stop()
+    # 200 MiB were posted; the server never held more than a few bodies' worth of buffers at once
+    assert peak < 48 << 20, f"peak traced memory during the flood was {peak / 2**20:.1f} MiB"
+    assert statuses.get(401, 0) >= 100 and statuses.get(404, 0) >= 100, statuses
+    assert set(statuses) <= {401, 404}, statuses
+    assert averager._rounds == {} and len(averager._finished) == 0

@@ -1,0 +1,200 @@
+"""Poisoned contributions in a real run: one hostile volunteer among three honest ones, through a real
+tracker, a real seeder and real peer servers (in one process).
+
+The hostile volunteer is an ordinary :class:`Volunteer` with seams set once it has joined (its trainer's
+``flat_grad`` and its averager's calls are wrapped); each step it misbehaves in another way:
+
+====  ==========================================  =====================================================
+step  what it sends                               what the honest part owners do
+====  ==========================================  =====================================================
+0     NaN in every part                           reject (422), listed in ``RoundDone.rejected``
+1     its gradient × 1e6                          clip to 5 × the median norm, ``RoundDone.clipped``
+2     a weight 50 × above the one it reported     reject (422), ``RoundDone.rejected``
+3     a vector one value short (wrong lengths)    reject (422) the parts whose length differs
+4     every part twice                            count the first copy, refuse the second (409)
+====  ==========================================  =====================================================
+
+It is in client mode (owns no part): a hostile *part owner* can answer with any finite values and is not
+detected (see docs/security.md). Outcome asserted: every hostile step is visible in the honest owners'
+events, the honest volunteers' parameters stay finite and identical after every step, and their loss falls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.engine import Volunteer
+
+from tests.harness import published_run
+
+STEPS = 16
+MODES = ("nan", "scale", "weight", "length", "twice")
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Hostile(Volunteer):
+    """A volunteer that poisons its gradient contributions, one way per step (``MODES`` in turn)."""
+
+    def __init__(self, config: VolunteerConfig) -> None:
+        super().__init__(config)
+        self.sent: dict[int, str] = {}  # step -> mode used
+
+    def mode(self) -> str:
+        return MODES[self.step % len(MODES)]
+
+    def emit(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Joined):
+            self._arm()
+        super().emit(event)
+
+    def _arm(self) -> None:
+        trainer, averager = self.trainer, self.averager
+        assert trainer is not None
+        flat_grad, apply, allreduce = trainer.flat_grad, trainer.apply, averager.allreduce
+        prepare, exchange = averager._prepare, averager._exchange
+        size = {}
+
+        def bad_grad() -> np.ndarray:
+            g = flat_grad()
+            size["n"] = g.size
+            mode = self.mode()
+            self.sent[self.step] = mode
+            if mode == "nan":
+                g[::97] = np.nan
+            elif mode == "scale":
+                g *= 1e6
+            elif mode == "length":
+                g = g[:-1].copy()
+            return g
+
+        def bad_apply(values: np.ndarray, step: int) -> float:
+            if values.size != size["n"]:  # its own wrong-length round: keep its shape, it is the attacker
+                values = np.resize(values, size["n"])
+            return apply(np.nan_to_num(values), step)
+
+        async def bad_allreduce(assignment, vector, weight, *, tag="grad"):
+            if tag == "grad" and self.mode() == "weight" and weight > 0:
+                weight *= 50
+            return await allreduce(assignment, vector, weight, tag=tag)
+
+        def lenient_prepare(a, vector, weight, tag):  # let the inflated weight past its own check
+            me = next(m for m in a.members if m.peer_id == self.peer_id)
+            return prepare(a, vector, min(weight, float(me.weight)), tag)
+
+        async def twice(rnd, owner, vector, weight, tag, output, failed):
+            if tag == "grad" and self.mode() == "twice":
+                await asyncio.gather(
+                    exchange(rnd, owner, vector, weight, tag, output, failed),
+                    exchange(rnd, owner, vector, weight, tag, output, failed),
+                )
+            else:
+                await exchange(rnd, owner, vector, weight, tag, output, failed)
+
+        trainer.flat_grad = bad_grad
+        trainer.apply = bad_apply
+        averager.allreduce = bad_allreduce
+        averager._prepare = lenient_prepare
+        averager._exchange = twice
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_and_learn(tmp_path):
+    async with published_run(
+        tmp_path,
+        averaging={"codec": "none", "group_size": 4, "clip_multiple": 5.0, "gather_s": 3.0},
+        target_batch_size=64,
+    ) as run:
+        logs: dict[int, list[ev.Event]] = {i: [] for i in range(3)}
+        honest = []
+        for i in range(3):
+            v = Volunteer(
+                VolunteerConfig(
+                    run_id=run.spec.run_id,
+                    tracker_url=run.tracker.url,
+                    data_dir=tmp_path / f"honest-{i}",
+                    seed=100 + i,
+                    max_steps=STEPS,
+                ),
+                emit=logs[i].append,
+            )
+            v.record = True
+            honest.append(v)
+        hostile = Hostile(
+            VolunteerConfig(
+                run_id=run.spec.run_id,
+                tracker_url=run.tracker.url,
+                data_dir=tmp_path / "hostile",
+                seed=7,
+                max_steps=STEPS,
+                client_mode=True,
+            )
+        )
+        results = await asyncio.wait_for(
+            asyncio.gather(*(v.run() for v in honest), hostile.run(), return_exceptions=True), 280
+        )
+    for r in results[:3]:
+        assert not isinstance(r, BaseException), repr(r)
+    summaries = results[:3]
+    assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
+    assert isinstance(results[3], BaseException) or results[3].steps_done > 0
+
+    # every poisoned step the hostile took part in is visible in the honest owners' RoundDone events
+    rounds: dict[int, list[ev.RoundDone]] = {}
+    for i in range(3):
+        for e in logs[i]:
+            if isinstance(e, ev.RoundDone) and e.kind == "grad" and e.my_part >= 0:
+                rounds.setdefault(e.step, []).append(e)
+    bad = hostile.peer_id
+    seen = {mode: 0 for mode in MODES}
+    for step, mode in hostile.sent.items():
+        owners = rounds.get(step, [])
+        if not owners or not any(bad in e.members for e in owners):
+            continue  # the hostile missed this step's group (it joined late or the step closed early)
+        seen[mode] += 1
+        rejected = [bad in e.rejected for e in owners]
+        clipped = [bad in e.clipped for e in owners]
+        if mode in ("nan", "weight"):
+            assert all(rejected), (step, mode, owners)
+        elif mode == "scale":
+            assert all(clipped) and not any(rejected), (step, mode, owners)
+        elif mode == "length":
+            assert any(rejected), (step, mode, owners)  # at least the parts whose bounds moved
+        else:  # twice: the first copy counts, the second is refused with 409 and changes nothing
+            assert not any(rejected) and not any(clipped), (step, mode, owners)
+        for e in owners:  # an honest owner never rejects another honest volunteer
+            assert set(e.rejected) <= {bad} and set(e.clipped) <= {bad}, e
+    assert all(seen[m] >= 1 for m in MODES), f"the hostile took part in too few steps: {seen}"
+
+    # the honest volunteers hold identical, finite parameters after every step
+    for step in range(1, STEPS + 1):
+        first = honest[0].param_history[step]
+        assert np.isfinite(first).all(), f"step {step}"
+        for v in honest[1:]:
+            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
+
+    # and they still learn: on the same batches, the loss after the last step is below that after the first
+    v = honest[0]
+    seq_len = run.spec.model.args["seq_len"]
+    batches = [Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in v.recorded[0][:4]]
+
+    def loss_at(step: int) -> float:
+        v.trainer.set_flat_params(v.param_history[step])
+        return float(np.mean([v.trainer.evaluate(b.x, b.y) for b in batches]))
+
+    first, last = loss_at(1), loss_at(STEPS)
+    assert math.isfinite(last) and last < first - 0.1, (first, last)
