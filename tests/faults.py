@@ -44,6 +44,17 @@ def subprocess_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="120")
 
 
+async def until(predicate: Callable[[], bool], within_s: float, what: str) -> None:
+    """Poll ``predicate`` every 0.1 s until it holds; fail naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if predicate():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        await asyncio.sleep(0.1)
+
+
 class VolunteerProcess:
     """``python -m crowdtrain join RUN --json``: every event it prints is kept in ``events``."""
 
@@ -102,7 +113,7 @@ class VolunteerProcess:
         return [e for e in self.events if isinstance(e, kind)]
 
     async def wait_for(
-        self, match: Callable[[ev.Event], bool], timeout: float, *, after: int = 0
+        self, match: Callable[[ev.Event], bool], within_s: float, *, after: int = 0
     ) -> ev.Event:
         """The first event from index ``after`` on (seen so far or to come) for which ``match`` is true."""
         seen = after
@@ -120,10 +131,10 @@ class VolunteerProcess:
                     await self._changed.wait()
 
         try:
-            return await asyncio.wait_for(scan(), timeout)
+            return await asyncio.wait_for(scan(), within_s)
         except TimeoutError:
             raise AssertionError(
-                f"{self.name}: no matching event within {timeout} s; {self.tail()}"
+                f"{self.name}: no matching event within {within_s} s; {self.tail()}"
             ) from None
 
     def tail(self) -> str:
@@ -133,8 +144,8 @@ class VolunteerProcess:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGKILL)
 
-    async def wait(self, timeout: float) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), timeout)
+    async def wait(self, within_s: float) -> int:
+        code = await asyncio.wait_for(self.proc.wait(), within_s)
         await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), 10)
         return code
 

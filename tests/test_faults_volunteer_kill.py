@@ -17,7 +17,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 
-from tests.faults import VolunteerProcess, record_outcome
+from tests.faults import VolunteerProcess, record_outcome, until
 from tests.harness import published_run
 
 ROUND_TIMEOUT_S = 5.0
@@ -78,9 +78,11 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
             victim_samples = victim.of(ev.LocalTraining)[-1].samples if victim.of(ev.LocalTraining) else 0
             kill_step = victim.of(ev.StepDone)[-1].step + 1
             assert await victim.wait(30) < 0
-            async with asyncio.timeout(120):
-                while min(v.step for v in survivors) < kill_step + 1 + STEPS_AFTER_KILL:
-                    await asyncio.sleep(0.1)
+            await until(
+                lambda: min(v.step for v in survivors) >= kill_step + 1 + STEPS_AFTER_KILL,
+                120,
+                f"the survivors reaching step {kill_step + 1 + STEPS_AFTER_KILL}",
+            )
         finally:
             await victim.stop()
             for v in survivors:

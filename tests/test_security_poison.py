@@ -31,6 +31,8 @@ from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
+from crowdtrain.volunteer.state.config import StateConfig
+from crowdtrain.volunteer.state.snapshot import Snapshot
 
 from tests.harness import published_run
 
@@ -198,3 +200,71 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
 
     first, last = loss_at(1), loss_at(STEPS)
     assert math.isfinite(last) and last < first - 0.1, (first, last)
+
+
+class LyingDonor(Volunteer):
+    """Trains honestly, but serves state snapshots with one byte flipped in every range, under the true
+    manifest and content hash it declares to the tracker."""
+
+    def emit(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Joined):
+            publish = self.state_server.publish
+
+            def lying_publish(snapshot: Snapshot) -> None:
+                data = bytearray(snapshot.data)
+                rb = snapshot.manifest.range_bytes
+                for offset in range(rb // 2, len(data), rb):
+                    data[offset] ^= 0x5A
+                publish(Snapshot(bytes(data), snapshot.manifest, snapshot.version))
+
+            self.state_server.publish = lying_publish
+        super().emit(event)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_one(tmp_path):
+    late_at, steps = 6, 14
+    model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+    state = StateConfig(range_bytes=64 * 1024)
+    seen: list[ev.Event] = []
+
+    def make(cls: type[Volunteer], name: str, seed: int, emit=ev.no_emit) -> Volunteer:
+        v = cls(
+            VolunteerConfig(
+                run_id=run.spec.run_id,
+                tracker_url=run.tracker.url,
+                data_dir=tmp_path / name,
+                seed=seed,
+                max_steps=steps,
+                state=state,
+            ),
+            emit=emit,
+        )
+        v.record = True
+        return v
+
+    async with published_run(tmp_path, model=model, target_batch_size=64) as run:
+        early = [make(Volunteer, "honest", 0), make(LyingDonor, "liar", 1)]
+        tasks = [asyncio.create_task(v.run()) for v in early]
+        async with asyncio.timeout(120):
+            while min(v.step for v in early) < late_at:
+                await asyncio.sleep(0.1)
+        late = make(Volunteer, "newcomer", 2, emit=seen.append)
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks, late.run()), 240)
+
+    honest, liar = early
+    banned = [e for e in seen if isinstance(e, ev.DonorBanned)]
+    assert banned and all(liar.peer_id in e.donor for e in banned), banned
+    assert all(honest.peer_id not in e.donor for e in banned), banned
+    assert any("sha256" in e.reason or "manifest" in e.reason for e in banned), banned
+    loaded = [e for e in seen if isinstance(e, ev.StateLoaded)]
+    assert loaded and all(any(honest.peer_id in d for d in e.donors_used) for e in loaded), loaded
+    caught = summaries[2].caught_up_to
+    assert caught is not None and caught >= late_at, summaries[2]
+    compared = 0
+    for step, params in late.param_history.items():
+        if step >= caught and step in honest.param_history:
+            np.testing.assert_array_equal(params, honest.param_history[step], err_msg=f"step {step}")
+            compared += 1
+    assert compared >= 2

@@ -1,0 +1,92 @@
+"""The two faces a person sees: `crowdtrain join` on a real terminal, and `crowdtrain demo` end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+from tests.harness import published_run
+
+PANELS = ("collaboration", "local training", "data set", "averaging", "state sync")
+
+
+def _read_all(fd: int) -> bytes:
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_join_on_a_terminal_shows_the_live_panels(tmp_path):
+    async with published_run(tmp_path, target_batch_size=32) as run:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 120, 0, 0))
+        env = dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="50", OMP_NUM_THREADS="1")
+        env.pop("NO_COLOR", None)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "join",
+            run.spec.run_id,
+            "--tracker",
+            run.tracker.url,
+            "--data-dir",
+            str(tmp_path / "volunteer"),
+            "--max-steps",
+            "3",
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+        )
+        os.close(slave)
+        reader = asyncio.create_task(asyncio.to_thread(_read_all, master))
+        code = await asyncio.wait_for(proc.wait(), 240)
+        screen = (await asyncio.wait_for(reader, 30)).decode(errors="replace")
+        os.close(master)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
+    assert code == 0, text[-3000:]
+    for panel in PANELS:
+        assert panel in text, f"panel {panel!r} not on screen:\n{text[-3000:]}"
+    assert run.spec.run_id in text
+    assert "\x1b[" in screen  # it drew a live view with cursor movement, not plain lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_with_two_volunteers_runs_to_its_summary_and_leaves_no_process(cli_env):
+    cli_env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-m", "crowdtrain", "demo", "--volunteers", "2", "--steps", "5"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=360,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "demo summary" in out.stdout
+    loss = re.search(r"training loss\s+([\d.]+) → ([\d.]+)", out.stdout)
+    assert loss, out.stdout[-2000:]
+    assert float(loss.group(2)) < float(loss.group(1))
+    assert re.search(r"global steps\s+5 ", out.stdout)
+    run_id = re.search(r"^run\s+(\S+)", out.stdout, re.M).group(1)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert run_id not in ps, [line for line in ps.splitlines() if run_id in line]
