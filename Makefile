@@ -20,8 +20,7 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	touch $@
 
 demo: $(VENV)/.installed
-	@if $(VENV)/bin/crowdtrain demo --help >/dev/null 2>&1; then $(VENV)/bin/crowdtrain demo; \
-	else $(VENV)/bin/crowdtrain --help; echo "The demo is not built yet; 'make test' shows what works so far."; fi
+	$(VENV)/bin/crowdtrain demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
@@ -33,8 +32,13 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# Each prints its figures and ratios measured side by side in one run (see docs/benchmarks.md).
 bench: $(VENV)/.installed
 	$(PY) bench/codecs.py
+	$(PY) bench/allreduce.py
+	$(PY) bench/catchup.py
+	$(PY) bench/time_to_first_batch.py
+	$(PY) bench/tracker_load.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

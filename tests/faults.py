@@ -238,3 +238,68 @@ class TrackerProcess:
         await self.proc.wait()
         if hasattr(self, "_rest"):
             await asyncio.wait_for(asyncio.gather(self._rest, return_exceptions=True), 10)
+
+
+class SeederProcess:
+    """``python -m crowdtrain dataset seed DIR --json``: the data set's seeder as a process of its own."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self._rest = asyncio.create_task(self._drain())
+
+    @classmethod
+    async def start(
+        cls, data_dir: Path, tracker_url: str, admin_token: str, *, upload_limit: int = 0
+    ) -> SeederProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "dataset",
+            "seed",
+            str(data_dir),
+            "--tracker",
+            tracker_url,
+            "--listen",
+            "127.0.0.1:0",
+            "--upload-limit",
+            str(upload_limit),
+            "--json",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(subprocess_env(), CROWDTRAIN_ADMIN_TOKEN=admin_token),
+            start_new_session=True,
+        )
+        assert proc.stdout is not None
+        lines: list[str] = []
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                while True:
+                    raw = await proc.stdout.readline()
+                    if not raw:
+                        raise AssertionError("seeder exited before seeding: " + " | ".join(lines[-10:]))
+                    lines.append(raw.decode(errors="replace").rstrip())
+                    with contextlib.suppress(ValueError):
+                        data = json.loads(lines[-1])
+                        if isinstance(data, dict) and data.get("event") == "Seeding":
+                            return cls(proc, int(data["port"]))
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+
+    async def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        async for _ in self.proc.stdout:
+            pass
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+
+    async def close(self) -> None:
+        self.kill()
+        await self.proc.wait()
+        await asyncio.wait_for(asyncio.gather(self._rest, return_exceptions=True), 10)

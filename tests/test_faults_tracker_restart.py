@@ -17,18 +17,21 @@ import pytest
 import torch
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.session import SessionConfig, TorrentSession
-from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 
+from crowdtrain.publisher import build_run_create
 from tests.faults import TrackerProcess, record_outcome, until
 from tests.harness import TINY_GPT
 
-KILL_AT_STEP = 4
+KILL_AT_STEP = 2
 DOWN_S = 4.0
-STEPS_AFTER_RESTART = 4
+STEPS_AFTER_RESTART = 3
+# Large enough that a step takes seconds: the kill lands while the volunteers accumulate toward it, far from
+# the moment the tracker forms groups (see "A step formed just before the kill" in docs/reliability.md).
+TARGET = 6000
 TRACKER_OPTIONS = ("--heartbeat-interval", "0.2", "--peer-ttl", "30", "--join-rate", "0")
 
 
@@ -68,7 +71,7 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
             data,
             name="restart",
             model={"recipe": "tiny-gpt", "args": TINY_GPT},
-            target_batch_size=96,
+            target_batch_size=TARGET,
             micro_batch_size=8,
             optimizer={"name": "adamw", "lr": 3e-3},
             schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
@@ -104,7 +107,15 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
                 vols.append(v)
             tasks = [asyncio.create_task(v.run()) for v in vols]
             try:
-                await until(lambda: min(v.step for v in vols) >= KILL_AT_STEP, 90, "the first steps")
+                await until(
+                    lambda: (
+                        min(v.step for v in vols) >= KILL_AT_STEP
+                        and max(v.step for v in vols) == KILL_AT_STEP
+                        and sum(v.trainer.samples for v in vols) < TARGET // 3
+                    ),
+                    90,
+                    f"the volunteers starting to accumulate for step {KILL_AT_STEP}",
+                )
                 tracker.kill()
                 assert await asyncio.wait_for(tracker.proc.wait(), 30) < 0
                 killed_at = time.time()
@@ -136,12 +147,6 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
         if second is not None:
             await second.close()
 
-    import pathlib
-
-    pathlib.Path("/tmp/restart.txt").write_text(
-        f"killed {killed_at} restarted {restarted_at}\n"
-        + "\n".join(repr(e) for e in seen[0] if not isinstance(e, ev.ChunkVerified | ev.TorrentStats | ev.LocalTraining))
-    )
     # The tracker's durable step history: every step once, none skipped.
     with sqlite3.connect(db) as conn:
         history = [
@@ -152,7 +157,7 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
     assert status.global_step == len(history)
     assert [r.step for r in status.recent_steps] == sorted(history, reverse=True)[: len(status.recent_steps)]
     # Each volunteer took every step exactly once, in order, and they hold equal, finite parameters.
-    for events, v in zip(seen, vols, strict=True):
+    for events in seen:
         done = [e.step for e in events if isinstance(e, ev.StepDone)]
         assert done == list(range(done[0], done[0] + len(done))), done
         assert set(done) <= set(history)

@@ -245,11 +245,15 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
         return v
 
     async with published_run(tmp_path, model=model, target_batch_size=64) as run:
-        early = [make(Volunteer, "honest", 0), make(LyingDonor, "liar", 1)]
+        reached = asyncio.Event()
+
+        def watch(e: ev.Event) -> None:
+            if isinstance(e, ev.StepDone) and e.step + 1 >= late_at:
+                reached.set()
+
+        early = [make(Volunteer, "honest", 0, emit=watch), make(LyingDonor, "liar", 1)]
         tasks = [asyncio.create_task(v.run()) for v in early]
-        async with asyncio.timeout(120):
-            while min(v.step for v in early) < late_at:
-                await asyncio.sleep(0.1)
+        await asyncio.wait_for(reached.wait(), 120)
         late = make(Volunteer, "newcomer", 2, emit=seen.append)
         summaries = await asyncio.wait_for(asyncio.gather(*tasks, late.run()), 240)
 

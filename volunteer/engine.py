@@ -258,7 +258,6 @@ class Volunteer:
                 )
             )
 
-        self._phase("downloading")
         self.download = await self.torrent.stream(
             torrent, self.config.data_dir, manifest, seed=self.sampler_seed, on_chunk=on_chunk
         )

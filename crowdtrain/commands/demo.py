@@ -227,7 +227,7 @@ async def _run_volunteers(
                     break
                 if not late_started:
                     step = max((p.state.global_step or 0) for p in on_time)
-                    if step >= max(2, steps // 3) or all(p.proc.returncode is not None for p in on_time):
+                    if step >= max(2, steps // 4) or all(p.proc.returncode is not None for p in on_time):
                         late_started = True
                         await start(procs[-1])
                         tg.create_task(pump(procs[-1]))
