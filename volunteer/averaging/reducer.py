@@ -75,7 +75,11 @@ class PartReducer:
         Returns ``out`` (or None when nothing with a weight arrived, ``out`` untouched), the clipped members
         and, on failure, why.
         """
-        weighted = [c for c in self.contributions.values() if c.weight > 0 and c.values is not None]
+        # Members in peer-id order, not arrival order: the fp32 sum is then the same whatever the network did.
+        weighted = sorted(
+            (c for c in self.contributions.values() if c.weight > 0 and c.values is not None),
+            key=lambda c: c.peer_id,
+        )
         if not weighted:
             return None, (), "no contribution with a positive weight reached the part owner in time"
         scales = {c.peer_id: 1.0 for c in weighted}
