@@ -29,6 +29,7 @@ import pytest
 import torch
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.averaging import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
@@ -272,3 +273,38 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
             np.testing.assert_array_equal(params, honest.param_history[step], err_msg=f"step {step}")
             compared += 1
     assert compared >= 2
+
+
+@pytest.mark.parametrize("answer", ["finite", "nan"])
+async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(answer):
+    """Pins the gap docs/security.md names: answers of a part owner are not signed or cross-checked. A
+    finite wrong answer is used by every member (they stay equal, but wrong); a non-finite one is refused
+    and each member keeps its own values for that part (they drift apart)."""
+    from test_allreduce import assign, run_round, start_peers, weighted_mean
+
+    peers = await start_peers(3, AveragingConfig(), prefix=f"own-{answer}-")
+    hostile = peers[0].averager
+    encode = hostile._encode_result
+
+    def forged(rnd, values):
+        values[:] = 123.0 if answer == "finite" else np.nan
+        return encode(rnd, values)
+
+    hostile._encode_result = forged
+    try:
+        rng = np.random.default_rng(1)
+        vectors = [rng.standard_normal(3000).astype(np.float32) for _ in peers]
+        results = await run_round(peers, assign(peers, [1, 1, 1]), vectors, [1, 1, 1])
+    finally:
+        for p in peers:
+            await p.stop()
+    mean = weighted_mean(vectors, [1, 1, 1])
+    for i in (1, 2):
+        r = results[i]
+        np.testing.assert_allclose(r.values[1000:], mean[1000:], rtol=1e-5, atol=1e-6)  # honest parts
+        if answer == "finite":
+            assert r.failed_parts == ()
+            np.testing.assert_array_equal(r.values[:1000], 123.0)
+        else:
+            assert r.failed_parts == (0,) and "malformed" in r.reasons["part 0"], r.reasons
+            np.testing.assert_array_equal(r.values[:1000], vectors[i][:1000])

@@ -27,6 +27,7 @@ class VolunteerConfig:
     catch_up: bool = True  # fetch the state from peers when behind
     snapshot_every: int = 1  # publish a state snapshot every this many steps
     state: StateConfig = field(default_factory=StateConfig)  # serving and fetching the run's state
+    init_from: Path | None = None  # a `crowdtrain export` checkpoint to start from when no peer serves state
 
     def __post_init__(self) -> None:
         if not self.run_id:

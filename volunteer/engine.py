@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,13 @@ import torch
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import TorrentSession
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
-from crowdtrain.protocol.errors import AveragingError, CrowdtrainError, StateSyncError, TrackerError
+from crowdtrain.protocol.errors import (
+    AveragingError,
+    CrowdtrainError,
+    RecipeError,
+    StateSyncError,
+    TrackerError,
+)
 from crowdtrain.protocol.messages import (
     GroupAssignment,
     Heartbeat,
@@ -84,6 +91,31 @@ def resolve_device(requested: str) -> str:
             "--device cuda was asked for, but torch sees no CUDA device; use --device cpu or auto."
         )
     return requested
+
+
+def load_checkpoint(model: torch.nn.Module, path, spec: RunSpec) -> int:
+    """Load the weights `crowdtrain export` wrote for this run's recipe and args; returns its step."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("crowdtrain", "{}"))
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as exc:
+        raise RecipeError(
+            f"cannot read the checkpoint {path} ({exc}); give a file `crowdtrain export` wrote"
+        ) from None
+    if meta.get("recipe") != spec.model.recipe or meta.get("args") != dict(spec.model.args):
+        raise RecipeError(
+            f"checkpoint {path} holds {meta.get('recipe')!r} with args {meta.get('args')}, but run "
+            f"{spec.run_id} trains {spec.model.recipe!r} with args {dict(spec.model.args)}"
+        )
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        raise RecipeError(f"checkpoint {path} does not fit the run's model: {exc}") from None
+    return int(meta.get("step", 0))
 
 
 class Volunteer:
@@ -144,6 +176,8 @@ class Volunteer:
             recipe = get_recipe(spec.model.recipe)
             model = await asyncio.to_thread(recipe.build, dict(spec.model.args))
             check_param_hash(model, spec.model.param_hash)
+            if cfg.init_from is not None:
+                await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
             device = resolve_device(cfg.device)
             self.trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
             torrent = await tracker.get_torrent(cfg.run_id)
@@ -586,9 +620,16 @@ class Volunteer:
             self._start_catch_up()
             return
         if loaded is None:
-            self._note(
-                logging.WARNING, "no peer serves the run's state; training from the initial parameters"
-            )
+            if self.record:
+                self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+            if self.config.init_from is not None:
+                self._note(
+                    logging.INFO, "no peer serves the run's state; resuming from %s", self.config.init_from
+                )
+            else:
+                self._note(
+                    logging.WARNING, "no peer serves the run's state; training from the initial parameters"
+                )
             return
         missing = [s for s in range(loaded.step, self.step) if s not in replay]
         if missing:

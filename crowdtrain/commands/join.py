@@ -46,6 +46,11 @@ def join(
     max_steps: int | None = typer.Option(
         None, "--max-steps", help="Leave once the run reaches this global step (default: stay until Ctrl-C)."
     ),
+    init_from: Path | None = typer.Option(
+        None,
+        "--init-from",
+        help="Start from a `crowdtrain export` checkpoint when no peer serves the run's state (resume a run).",
+    ),
     plain: bool = typer.Option(False, "--plain", help="One line per event instead of the live view."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per event (JSON lines)."),
 ) -> None:
@@ -66,6 +71,7 @@ def join(
         client_mode=client_mode,
         max_batch=max_batch,
         max_steps=max_steps,
+        init_from=init_from,
     )
     config.data_dir.mkdir(parents=True, exist_ok=True)
     requested = "json" if wants_json(ctx, json_out) else "plain" if plain else "live"
