@@ -79,7 +79,7 @@ class Learner:
 
 async def wait_until(predicate, what: str) -> None:
     async with asyncio.timeout(WAIT_S):
-        while not predicate():  # noqa: ASYNC110 - polls libtorrent-side state that has no event to await
+        while not predicate():
             await asyncio.sleep(0.05)
     assert predicate(), what
 

@@ -166,7 +166,7 @@ async def test_donor_stopped_mid_transfer_the_others_complete_it(peers):
     victim = donors[0]
 
     async def stop_when_uploading() -> None:
-        while victim.server.bytes_uploaded < 128 * KiB or not victim.server.active_uploads:  # noqa: ASYNC110
+        while victim.server.bytes_uploaded < 128 * KiB or not victim.server.active_uploads:
             await asyncio.sleep(0.01)
         assert victim.server.active_uploads > 0  # it is stopped with ranges in flight
         await victim.stop()
