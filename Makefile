@@ -39,6 +39,7 @@ bench: $(VENV)/.installed
 	$(PY) bench/catchup.py
 	$(PY) bench/time_to_first_batch.py
 	$(PY) bench/tracker_load.py
+	$(PY) bench/startup.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

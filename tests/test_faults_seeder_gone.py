@@ -72,7 +72,7 @@ async def test_only_seeder_killed_halfway_volunteers_finish_the_data_set_from_ea
                         f"volunteer-{i}", spec.run_id, tracker.url, tmp_path / f"v{i}"
                     )
                 )
-            for _ in range(20):
+            for _ in range(45):
                 await asyncio.sleep(1)
                 print([len(held(v)) for v in vols], [(v.of(ev.TorrentStats) or [None])[-1] for v in vols][:1], flush=True)
             # Kill the seeder as soon as the volunteers hold every chunk between them, while none of them

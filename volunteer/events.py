@@ -136,6 +136,7 @@ class RoundDone(Event):
     rejected: tuple[str, ...]  # members whose contribution failed a check (and why, in LogLine)
     clipped: tuple[str, ...]  # members whose contribution was clipped to the norm bound
     failed_parts: tuple[int, ...]  # parts whose owner failed; local values kept
+    duplicates: tuple[str, ...] = ()  # members that sent my part twice (the first copy counted; 409)
 
     @property
     def compression_ratio(self) -> float:

@@ -646,6 +646,7 @@ class Averager:
                     rejected=result.rejected,
                     clipped=result.clipped,
                     failed_parts=result.failed_parts,
+                    duplicates=tuple(sorted(rnd.reducer.duplicates)) if rnd.reducer is not None else (),
                 )
             )
         return result

@@ -49,6 +49,7 @@ class PartReducer:
     contributions: dict[str, Contribution] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     rejected: dict[str, str] = field(default_factory=dict)
+    duplicates: set[str] = field(default_factory=set)  # sent a second copy (refused with 409)
     closed: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: PartOutcome | None = None
@@ -56,6 +57,7 @@ class PartReducer:
     def begin(self, peer_id: str) -> bool:
         """Mark the start of ``peer_id``'s contribution; False if it already sent one."""
         if peer_id in self.started:
+            self.duplicates.add(peer_id)
             return False
         self.started.add(peer_id)
         return True
