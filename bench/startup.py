@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.harness import published_run  # noqa: E402  (the same loopback run the tests use)
+from crowdtrain.volunteer.view.lines import parse_json_line
 
-from crowdtrain.volunteer.view.lines import parse_json_line  # noqa: E402
+from tests.harness import published_run
 
 
 async def one(run, data_dir: Path, steps: int) -> tuple[float, float | None]:
