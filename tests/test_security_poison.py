@@ -11,7 +11,8 @@ step  what it sends                               what the honest part owners do
 1     its gradient × 1e6                          clip to 5 × the median norm, ``RoundDone.clipped``
 2     a weight 50 × above the one it reported     reject (422), ``RoundDone.rejected``
 3     a vector one value short (wrong lengths)    reject (422) the parts whose length differs
-4     every part twice                            count the first copy, refuse the second (409)
+4     every part twice                            count the first copy, refuse the second (409),
+                                                  ``RoundDone.duplicates``
 ====  ==========================================  =====================================================
 
 It is in client mode (owns no part): a hostile *part owner* can answer with any finite values and is not
@@ -177,8 +178,9 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
             assert all(clipped) and not any(rejected), (step, mode, owners)
         elif mode == "length":
             assert any(rejected), (step, mode, owners)  # at least the parts whose bounds moved
-        else:  # twice: the first copy counts, the second is refused with 409 and changes nothing
+        else:  # twice: the first copy counts, the second is refused (409) and listed as a duplicate
             assert not any(rejected) and not any(clipped), (step, mode, owners)
+            assert any(bad in e.duplicates for e in owners), (step, mode, owners)
         for e in owners:  # an honest owner never rejects another honest volunteer
             assert set(e.rejected) <= {bad} and set(e.clipped) <= {bad}, e
     assert all(seen[m] >= 1 for m in MODES), f"the hostile took part in too few steps: {seen}"

@@ -417,6 +417,8 @@ class Averager:
         if red is None or part != rnd.my_part:
             raise _Refused(404, f"this peer owns part {rnd.my_part} of round {key}, not part {part}")
         if red.closed:
+            if cred.peer_id in red.started:  # a second copy after the part closed is a duplicate too
+                red.duplicates.add(cred.peer_id)
             raise _Refused(
                 410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
             )
