@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -27,3 +28,11 @@ def cli_env() -> dict[str, str]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage_after_each_test():
+    """Leaked sockets and sessions surface as ResourceWarnings when collected; collect after every test so
+    the report names the test that leaked, not whichever test the collector happened to run in."""
+    yield
+    gc.collect()

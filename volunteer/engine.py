@@ -195,58 +195,63 @@ class Volunteer:
             self.summary.peer_id = join.peer_id
             self.summary.first_step = join.global_step
 
-            self.averager = Averager(
-                run_id=cfg.run_id,
-                tracker_public_key=spec.tracker_public_key,
-                peer_id=join.peer_id,
-                key=self.key,
-                credential=join.credential,
-                config=AveragingConfig.from_spec(spec.averaging),
-                emit=self.emit,
-            )
-            self.state_server = StateServer(
-                run_id=cfg.run_id,
-                tracker_public_key=spec.tracker_public_key,
-                config=cfg.state,
-                emit=self.emit,
-            )
-            server = PeerServer(cfg.host, cfg.port)
-            server.peer_id = join.peer_id
-            server.add_routes(self.averager.routes())
-            server.add_routes(self.state_server.routes())
-            port = await server.start()
-            if not cfg.client_mode:
-                self._address = f"{cfg.advertise_host or cfg.host}:{port}"
-
-            manifest = spec.dataset.manifest
-            self.sampler_seed = (
-                cfg.seed if cfg.seed is not None else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
-            )
-            self.sampler = Sampler(
-                manifest,
-                cfg.data_dir,
-                seed=self.sampler_seed,
-                seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
-            )
-            self.torrent = TorrentSession()
-            await self.torrent.start()
-            self.download = None
-            self.emit(
-                ev.Joined(
-                    run_id=cfg.run_id,
-                    run_name=spec.name,
-                    tracker=cfg.tracker_url,
-                    peer_id=join.peer_id,
-                    device=device,
-                    address=self._address,
-                    global_step=join.global_step,
-                    target_batch_size=spec.target_batch_size,
-                    recipe=spec.model.recipe,
-                    codec=spec.averaging.codec,
-                )
-            )
+            self.averager = None
+            server = None
+            self.torrent = None
             reason = "finished"
             try:
+                self.averager = Averager(
+                    run_id=cfg.run_id,
+                    tracker_public_key=spec.tracker_public_key,
+                    peer_id=join.peer_id,
+                    key=self.key,
+                    credential=join.credential,
+                    config=AveragingConfig.from_spec(spec.averaging),
+                    emit=self.emit,
+                )
+                self.state_server = StateServer(
+                    run_id=cfg.run_id,
+                    tracker_public_key=spec.tracker_public_key,
+                    config=cfg.state,
+                    emit=self.emit,
+                )
+                server = PeerServer(cfg.host, cfg.port)
+                server.peer_id = join.peer_id
+                server.add_routes(self.averager.routes())
+                server.add_routes(self.state_server.routes())
+                port = await server.start()
+                if not cfg.client_mode:
+                    self._address = f"{cfg.advertise_host or cfg.host}:{port}"
+
+                manifest = spec.dataset.manifest
+                self.sampler_seed = (
+                    cfg.seed
+                    if cfg.seed is not None
+                    else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
+                )
+                self.sampler = Sampler(
+                    manifest,
+                    cfg.data_dir,
+                    seed=self.sampler_seed,
+                    seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
+                )
+                self.torrent = TorrentSession()
+                await self.torrent.start()
+                self.download = None
+                self.emit(
+                    ev.Joined(
+                        run_id=cfg.run_id,
+                        run_name=spec.name,
+                        tracker=cfg.tracker_url,
+                        peer_id=join.peer_id,
+                        device=device,
+                        address=self._address,
+                        global_step=join.global_step,
+                        target_batch_size=spec.target_batch_size,
+                        recipe=spec.model.recipe,
+                        codec=spec.averaging.codec,
+                    )
+                )
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._stream(torrent))
                     tg.create_task(self._heartbeats())
@@ -262,14 +267,18 @@ class Volunteer:
                 self._phase("leaving")
                 if self._pending_state is not None:
                     self._pending_state.cancel()
+                # In order: stop accepting peers, tell the tracker, then close what talks to the network.
+                if server is not None:
+                    await server.stop()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
                     async with asyncio.timeout(LEAVE_TIMEOUT_S):
                         await tracker.leave(
                             cfg.run_id, LeaveRequest(peer_id=self.peer_id), self.key, self.credential
                         )
-                await self.averager.close()
-                await server.stop()
-                await self.torrent.close()
+                if self.averager is not None:
+                    await self.averager.close()
+                if self.torrent is not None:
+                    await self.torrent.close()
                 self.summary.last_step = self.step
                 self.emit(ev.Left(reason=reason))
         return self.summary
