@@ -36,3 +36,17 @@ def _collect_garbage_after_each_test():
     the report names the test that leaked, not whichever test the collector happened to run in."""
     yield
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Several volunteers share this 2-core machine in one test: one torch thread each is much faster
+    than oversubscribed intra-op threads. A no-op for tests that never imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,7 +35,11 @@ def record_outcome(scenario: str, **fields: Any) -> None:
     path = os.environ.get(OUT_ENV)
     if not path:
         return
-    line = json.dumps({"scenario": scenario, "t": time.time(), **fields}, sort_keys=True)
+    # "tests/test_faults_x.py::test_name[param] (call)": which test measured it, to match the JUnit report.
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    module, _, test = current.partition("::")
+    where = {"module": Path(module).name, "test": test}
+    line = json.dumps({"scenario": scenario, "t": time.time(), **where, **fields}, sort_keys=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
@@ -303,3 +307,26 @@ class SeederProcess:
         self.kill()
         await self.proc.wait()
         await asyncio.wait_for(asyncio.gather(self._rest, return_exceptions=True), 10)
+
+
+def losses_on_a_fixed_batch(
+    volunteer: Any, manifest: Any, steps: Sequence[int], samples: int = 32
+) -> list[float]:
+    """The loss of ``volunteer``'s recorded parameters after each of ``steps`` on one fixed batch of the
+    data set (the same samples for every step), computed with its own model once it has left the run."""
+    from crowdtrain.datasets.sampler import Sampler
+
+    seq_len = volunteer.spec.model.args["seq_len"]
+    per_chunk = max(1, samples // len(manifest.chunks))
+    provenance = [
+        (c, k * seq_len)
+        for c in range(len(manifest.chunks))
+        for k in range(per_chunk)
+        if (k + 1) * seq_len + 1 < manifest.chunks[c].samples
+    ][:samples]
+    batch = Sampler.take(provenance, manifest, volunteer.config.data_dir, seq_len)
+    out = []
+    for step in steps:
+        volunteer.trainer.set_flat_params(volunteer.param_history[step])
+        out.append(volunteer.trainer.evaluate(batch.x, batch.y))
+    return out

@@ -19,14 +19,6 @@ from crowdtrain.commands.export import export_state
 from tests.harness import TINY_GPT, published_run
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def model_from_flat(spec, flat: np.ndarray) -> torch.nn.Module:
     recipe = get_recipe(spec.model.recipe)
     trainer = Trainer(recipe, recipe.build(dict(spec.model.args)), spec.optimizer, spec.schedule)

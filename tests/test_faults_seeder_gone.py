@@ -71,14 +71,13 @@ async def test_only_seeder_killed_halfway_volunteers_finish_the_data_set_from_ea
         seeder = await SeederProcess.start(data, tracker.url, tracker.admin_token, upload_limit=SEEDER_RATE)
         vols: list[VolunteerProcess] = []
         try:
-            for i in range(VOLUNTEERS):
+            for i in range(VOLUNTEERS - 1):
                 vols.append(
                     await VolunteerProcess.start(
                         f"volunteer-{i}", spec.run_id, tracker.url, tmp_path / f"v{i}"
                     )
                 )
-            # Kill the seeder as soon as the volunteers hold every chunk between them, while none of them
-            # (as far as their events have told us) holds them all.
+            # Kill the seeder as soon as the volunteers hold every chunk between them.
             await until(
                 lambda: set().union(*(held(v) for v in vols)) == set(range(total)),
                 150,
@@ -89,6 +88,7 @@ async def test_only_seeder_killed_halfway_volunteers_finish_the_data_set_from_ea
             await asyncio.wait_for(seeder.proc.wait(), 30)
             dead_at = time.time()
             late = VOLUNTEERS - 1
+            assert not (tmp_path / f"v{late}").exists()  # it starts with nothing on disk
             vols.append(
                 await VolunteerProcess.start(
                     f"volunteer-{late}", spec.run_id, tracker.url, tmp_path / f"v{late}"
@@ -104,6 +104,7 @@ async def test_only_seeder_killed_halfway_volunteers_finish_the_data_set_from_ea
                 await v.stop()
 
     # The newcomer got the whole data set after the seeder died: from the other volunteers.
+    assert len(vols) == VOLUNTEERS
     after = [[e for e in v.of(ev.ChunkVerified) if e.t > dead_at] for v in vols]
     assert len(after[-1]) == total
     # Each chunk was verified once per volunteer, and what is on disk matches the manifest's sha256.

@@ -12,30 +12,17 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 
-from tests.faults import VolunteerProcess, record_outcome, until
+from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outcome, until
 from tests.harness import published_run
 
 ROUND_TIMEOUT_S = 5.0
 STEPS_AFTER_KILL = 5
 # Big enough that a round lasts long enough (a few 100 ms) for the signal to land in its middle.
 MODEL = {"recipe": "tiny-gpt", "args": {"d_model": 256, "n_layer": 2, "n_head": 4, "seq_len": 32}}
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def losses(events: list[ev.Event]) -> list[float]:
-    return [e.loss for e in events if isinstance(e, ev.LocalTraining)]
 
 
 @pytest.mark.slow
@@ -74,8 +61,6 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
             )
             victim.kill()
             killed_at = time.time()
-            # What the victim had accumulated for this step (its weight in the round) is lost with it.
-            victim_samples = victim.of(ev.LocalTraining)[-1].samples if victim.of(ev.LocalTraining) else 0
             kill_step = victim.of(ev.StepDone)[-1].step + 1
             assert await victim.wait(30) < 0
             await until(
@@ -100,7 +85,9 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
         (killed_round,) = rounds
         assert victim_id in killed_round.members
         assert victim_id in killed_round.dropped or killed_round.failed_parts, killed_round
-        assert killed_round.duration_s <= ROUND_TIMEOUT_S + 3.0  # the deadline plus the grace for answers
+        # Not a speed check: a round ends at its deadline plus the averager's grace (2 s) whatever happened;
+        # the slack is for a loaded machine.
+        assert killed_round.duration_s <= ROUND_TIMEOUT_S + 2.0 + 5.0
         later = [e for e in events if isinstance(e, ev.RoundDone) and e.kind == "grad" and e.step > kill_step]
         assert later and all(victim_id not in e.members for e in later)
     # They went on, stepping together: equal and finite parameters after every step they both took.
@@ -110,26 +97,27 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
         a, b = survivors[0].param_history[step], survivors[1].param_history[step]
         assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
         np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
-    # And they still learn.
-    for events in seen:
-        curve = losses(events)
-        assert np.mean(curve[-3:]) < np.mean(curve[:3]), curve
+    # And they still learn: the loss on a fixed batch is lower after the last step than after the first.
+    first, last = losses_on_a_fixed_batch(survivors[0], run.manifest, [common[0], common[-1]])
+    assert last < first
     recovered = min(
         e.t for events in seen for e in events if isinstance(e, ev.StepDone) and e.step == kill_step
     )
+    # The victim's weight in the round it died in: the group's samples less the survivors' own.
+    done = [next(e for e in events if isinstance(e, ev.StepDone) and e.step == kill_step) for events in seen]
+    victim_weight = done[0].group_samples - sum(e.contributed_samples for e in done)
+    assert victim_weight > 0
     record_outcome(
         "volunteer SIGKILLed mid-round",
         rounds_completed=min(s.steps_done for s in summaries),
         killed_round_completed=True,
         steps_after_kill=min(v.step for v in survivors) - kill_step - 1,
-        samples_lost=victim_samples,
+        samples_lost=victim_weight,
         time_to_recover_s=round(recovered - killed_at, 2),
         round_timeout_s=ROUND_TIMEOUT_S,
         params_equal=True,
-        dropped_or_failed="dropped "
-        + ",".join(killed_round.dropped)
-        + "; failed parts "
-        + ",".join(map(str, killed_round.failed_parts)),
-        loss_first=round(float(np.mean(losses(seen[0])[:3])), 3),
-        loss_last=round(float(np.mean(losses(seen[0])[-3:])), 3),
+        victim_copies_dropped=victim_id in killed_round.dropped,
+        victim_part_skipped=bool(killed_round.failed_parts),
+        loss_first=round(first, 3),
+        loss_last=round(last, 3),
     )

@@ -147,3 +147,15 @@ def test_admin_and_join_tokens_appear_nowhere_but_the_operators_start_line(tmp_p
         if token in text
     ]
     assert not leaks, "\n".join(leaks)
+
+
+def test_configs_keep_tokens_out_of_their_repr():
+    """A config in a log line or a traceback's locals must not carry the token with it."""
+    from crowdtrain.tracker.config import TrackerConfig
+    from crowdtrain.volunteer.config import VolunteerConfig
+
+    tracker = TrackerConfig(admin_token=ADMIN)
+    volunteer = VolunteerConfig(run_id="r", tracker_url="http://127.0.0.1:1", data_dir=Path("."), token=JOIN)
+    assert tracker.admin_token == ADMIN and volunteer.token == JOIN
+    assert ADMIN not in repr(tracker) and ADMIN not in str(tracker)
+    assert JOIN not in repr(volunteer) and JOIN not in str(volunteer)

@@ -7,7 +7,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
@@ -18,14 +17,6 @@ from tests.harness import published_run
 KiB = 1024
 LATE_AT = 10
 STEPS = 30
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.timeout(300)

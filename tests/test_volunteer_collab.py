@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
@@ -20,14 +19,6 @@ from crowdtrain.volunteer.trainer import replay_reference
 from tests.harness import TINY_GPT, published_run
 
 STEPS = 20
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def group_mean(grads, weights):
@@ -59,7 +50,9 @@ def volunteers(run, tmp_path, n: int, **kw) -> list[Volunteer]:
 
 @pytest.mark.timeout(300)
 async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(tmp_path):
-    async with published_run(tmp_path, averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0}) as run:
+    async with published_run(
+        tmp_path, averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0}
+    ) as run:
         vols = volunteers(run, tmp_path, 3, max_steps=STEPS)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
     assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
@@ -75,7 +68,9 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
     for step in range(STEPS):
         per_volunteer = []
         for v in sorted(vols, key=lambda v: v.peer_id):
-            batches = [Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in v.recorded.get(step, [])]
+            batches = [
+                Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in v.recorded.get(step, [])
+            ]
             per_volunteer.append([(b.x, b.y) for b in batches])
         steps.append(per_volunteer)
     assert sum(len(b) for b in steps[0]) > 0
@@ -83,4 +78,6 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
         "tiny-gpt", TINY_GPT, spec.optimizer, spec.schedule, steps, by_volunteer=True, combine=group_mean
     )
     for step, expected in enumerate(reference, start=1):
-        np.testing.assert_allclose(vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"
+        )

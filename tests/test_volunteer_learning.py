@@ -42,7 +42,6 @@ def held_out_loss(spec, params: np.ndarray | None) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_three_volunteers_with_int8_gradients_cut_held_out_loss_by_a_third(tmp_path):
-    torch.set_num_threads(1)
     rounds: list[ev.RoundDone] = []
     async with published_run(
         tmp_path,

@@ -67,7 +67,9 @@ class Peer:
 
 
 class RunState:
-    def __init__(self, spec: RunSpec, global_step: int, store: Store, signer: SigningKey) -> None:
+    def __init__(
+        self, spec: RunSpec, global_step: int, store: Store, signer: SigningKey, *, quiet_s: float = 0.0
+    ) -> None:
         self.spec = spec
         self.run_id = spec.run_id
         self.global_step = global_step
@@ -75,6 +77,10 @@ class RunState:
         self.signer = signer
         self.peers: dict[str, Peer] = {}
         self.opened_at = time.time()
+        # A tracker restarted in the middle of a run knows none of its peers yet: it closes no step until
+        # they had time to heartbeat again, or the first one back would be grouped alone and the others
+        # would miss the step.
+        self.quiet_until = self.opened_at + quiet_s
         self.closed_at: float | None = None
         self.step_samples = 0
         self.step_contributors = 0
@@ -166,7 +172,7 @@ class RunState:
         return max(0.0, (self.target - self.step_samples) / self.rate_sum)
 
     def maybe_close(self, now: float) -> None:
-        if self.closed_at is not None:
+        if self.closed_at is not None or now < self.quiet_until:
             return
         timed_out = now - self.opened_at >= self.spec.averaging.step_timeout_s
         if self.step_samples >= self.target or (

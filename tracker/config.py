@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from crowdtrain.protocol.errors import ConfigError
@@ -27,7 +27,8 @@ class TrackerConfig:
         None  # how others reach this tracker (announce URL in torrents); default: bound URL
     )
     open: bool = False  # serve announces for info-hashes nobody registered
-    admin_token: str | None = None  # None: read from the database, or generated and stored there
+    # None: read from the database, or generated and stored there. Kept out of repr (logs, tracebacks).
+    admin_token: str | None = field(default=None, repr=False)
     peer_ttl_s: float = 30.0  # a volunteer silent this long is dropped
     heartbeat_interval_s: float = 2.0  # what volunteers are told to use
     announce_interval_s: int = 30  # BitTorrent ``interval``

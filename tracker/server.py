@@ -169,7 +169,8 @@ class Tracker:
         self.registered: set[bytes] = {bytes.fromhex(h) for h in self.store.datasets()}
         self.swarms = Swarms(config.max_swarm_peers)
         for stored in self.store.runs():
-            self._add_run_state(stored.spec, stored.global_step)
+            # Peers of a run in progress re-register with their next heartbeat: give them three intervals.
+            self._add_run_state(stored.spec, stored.global_step, quiet_s=3 * config.heartbeat_interval_s)
             self.torrents[stored.spec.run_id] = stored.torrent
             self.join_tokens[stored.spec.run_id] = stored.join_token_hash
         self.metrics.bind(self)
@@ -182,8 +183,8 @@ class Tracker:
         self.announce_url = ""
         self.port = 0
 
-    def _add_run_state(self, spec: RunSpec, global_step: int) -> RunState:
-        run = RunState(spec, global_step, self.store, self.signer)
+    def _add_run_state(self, spec: RunSpec, global_step: int, quiet_s: float = 0.0) -> RunState:
+        run = RunState(spec, global_step, self.store, self.signer, quiet_s=quiet_s)
         run.on_formed.append(self.metrics.step_formed)
         self.runs[spec.run_id] = run
         return run

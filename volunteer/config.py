@@ -14,7 +14,7 @@ class VolunteerConfig:
     run_id: str
     tracker_url: str
     data_dir: Path
-    token: str | None = None  # join token of a private run
+    token: str | None = field(default=None, repr=False)  # join token of a private run; not in repr
     device: str = "auto"  # auto, cpu or cuda
     host: str = "127.0.0.1"  # where the peer server listens
     port: int = 0  # 0 = any free port

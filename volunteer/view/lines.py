@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from crowdtrain.protocol.errors import ProtocolError
@@ -44,6 +45,24 @@ def stamp(t: float) -> str:
 
 def _ids(ids: tuple[str, ...] | list[str]) -> str:
     return ", ".join(ids)
+
+
+def round_trouble(r: ev.RoundDone, fmt_ids: Callable[[Sequence[str]], str] = _ids) -> list[str]:
+    """What went wrong in a round, one phrase per kind (the plain line and the averaging panel share it;
+    ``fmt_ids`` formats a list of peer ids, in full by default)."""
+    _ids = fmt_ids
+    trouble = []
+    if r.dropped:
+        trouble.append(f"dropped {_ids(r.dropped)}")
+    if r.rejected:
+        trouble.append(f"rejected {_ids(r.rejected)}")
+    if r.clipped:
+        trouble.append(f"clipped {_ids(r.clipped)}")
+    if r.duplicates:
+        trouble.append(f"duplicates from {_ids(r.duplicates)}")
+    if r.failed_parts:
+        trouble.append(f"failed parts {', '.join(map(str, r.failed_parts))}")
+    return trouble
 
 
 def describe(event: ev.Event) -> tuple[str, str]:
@@ -102,15 +121,7 @@ def describe(event: ev.Event) -> tuple[str, str]:
                 f"{fmt_duration(event.duration_s)}, sent {fmt_bytes(event.bytes_sent)}, "
                 f"received {fmt_bytes(event.bytes_received)}, {fmt_ratio(event.compression_ratio)} compression"
             )
-            trouble = []
-            if event.dropped:
-                trouble.append(f"dropped {_ids(event.dropped)}")
-            if event.rejected:
-                trouble.append(f"rejected {_ids(event.rejected)}")
-            if event.clipped:
-                trouble.append(f"clipped {_ids(event.clipped)}")
-            if event.failed_parts:
-                trouble.append(f"failed parts {', '.join(map(str, event.failed_parts))}")
+            trouble = round_trouble(event)
             if trouble:
                 text += "; " + "; ".join(trouble)
             return ("warning" if event.dropped or event.rejected or event.failed_parts else "info"), text

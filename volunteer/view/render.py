@@ -27,7 +27,7 @@ from crowdtrain.volunteer.view.fmt import (
     short_hash,
     short_id,
 )
-from crowdtrain.volunteer.view.lines import stamp
+from crowdtrain.volunteer.view.lines import round_trouble, stamp
 from crowdtrain.volunteer.view.state import ViewState
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.panel import Panel
@@ -273,15 +273,7 @@ def averaging_rows(state: ViewState) -> list[Row]:
         )
         if r.phases:
             rows.append(("timing", _value(", ".join(f"{k} {fmt_duration(v)}" for k, v in r.phases.items()))))
-        trouble: list[str] = []
-        if r.dropped:
-            trouble.append(f"dropped {_ids(r.dropped)}")
-        if r.rejected:
-            trouble.append(f"rejected {_ids(r.rejected)}")
-        if r.clipped:
-            trouble.append(f"clipped {_ids(r.clipped)}")
-        if r.failed_parts:
-            trouble.append(f"failed parts {', '.join(map(str, r.failed_parts))}")
+        trouble = round_trouble(r, fmt_ids=_ids)
         rows.append(("trouble", _value("; ".join(trouble), "bold yellow") if trouble else _value("none")))
     rounds = f"{state.rounds_done} done, {state.rounds_failed} failed"
     overall = state.overall_compression

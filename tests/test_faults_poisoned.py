@@ -1,0 +1,91 @@
+"""A volunteer whose gradient is poisoned (NaN, scaled ×1e6, or half its length) takes part in a real run:
+the honest volunteers reject or clip its contribution, stay equal and finite, and keep learning.
+
+All volunteers run in this process over real servers. The fault is injected through one seam: the poisoned
+volunteer's ``trainer.flat_grad`` is wrapped once its trainer exists, so everything it sends is built and
+signed by the real engine and averager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.engine import Volunteer
+
+from tests.faults import losses_on_a_fixed_batch, record_outcome, until
+from tests.harness import published_run
+
+STEPS = 8
+POISONS = {
+    "nan": lambda g: np.full_like(g, np.nan),
+    "x1e6": lambda g: g * np.float32(1e6),
+    "half": lambda g: g[: g.size // 2].copy(),  # the wrong length: every part's boundaries move
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("poison", sorted(POISONS))
+async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equal_and_finite(
+    tmp_path, poison
+):
+    seen: list[list[ev.Event]] = [[], [], []]
+    averaging = {"clip_multiple": 5.0, "round_timeout_s": 5.0}
+    async with published_run(tmp_path, target_batch_size=96, averaging=averaging) as run:
+        vols = []
+        for i in range(3):
+            v = Volunteer(
+                VolunteerConfig(
+                    run_id=run.spec.run_id,
+                    tracker_url=run.tracker.url,
+                    data_dir=tmp_path / f"volunteer-{i}",
+                    seed=400 + i,
+                    max_steps=STEPS if i < 2 else None,
+                    catch_up=i < 2,
+                ),
+                emit=seen[i].append,
+            )
+            v.record = True
+            vols.append(v)
+        tasks = [asyncio.create_task(v.run()) for v in vols]
+        bad = vols[2]
+        await until(lambda: bad.trainer is not None, 60, "the poisoned volunteer's trainer")
+        honest_grad = bad.trainer.flat_grad
+        bad.trainer.flat_grad = lambda: POISONS[poison](honest_grad())
+        try:
+            summaries = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 150)
+        finally:
+            bad.stop()
+            await asyncio.wait_for(asyncio.gather(tasks[2], return_exceptions=True), 60)
+
+    bad_id = bad.peer_id
+    rounds = [[e for e in seen[i] if isinstance(e, ev.RoundDone) and e.kind == "grad"] for i in range(2)]
+    with_bad = [r for rs in rounds for r in rs if bad_id in r.members]
+    assert with_bad, "the poisoned volunteer was never grouped with the others"
+    # Wherever an honest volunteer owned a part, the poisoned copy was refused or clipped, never averaged in.
+    owned = [r for r in with_bad if r.my_part >= 0]
+    caught = [r for r in owned if bad_id in r.rejected or bad_id in r.clipped or bad_id in r.dropped]
+    assert owned and caught == owned, [(r.step, r.my_part, r.rejected, r.clipped, r.dropped) for r in owned]
+    # The honest two took every step, with equal, finite parameters, and learn.
+    assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
+    for step in range(1, STEPS + 1):
+        a, b = vols[0].param_history[step], vols[1].param_history[step]
+        assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
+        np.testing.assert_array_equal(a, b, err_msg=f"honest volunteers differ after step {step}")
+    first, last = losses_on_a_fixed_batch(vols[0], run.manifest, [1, STEPS])
+    assert last < first
+    record_outcome(
+        f"poisoned gradient ({poison})",
+        rounds_completed=min(s.steps_done for s in summaries),
+        rounds_with_the_poisoned_peer=len(with_bad) // 2,
+        refused=sum(bad_id in r.rejected for r in owned),
+        clipped=sum(bad_id in r.clipped for r in owned),
+        honest_params_equal_and_finite=True,
+        samples_lost=0,
+        loss_first=round(first, 3),
+        loss_last=round(last, 3),
+    )
