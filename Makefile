@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast lint bench reliability clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: $(VENV)/.installed
 	$(PY) bench/time_to_first_batch.py
 	$(PY) bench/tracker_load.py
 	$(PY) bench/startup.py
+
+# Runs the fault scenarios and rewrites docs/reliability.md from their own records.
+reliability: $(VENV)/.installed
+	$(PY) bench/reliability.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
