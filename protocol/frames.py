@@ -1,4 +1,6 @@
-"""Tensor frames: a fixed 96-byte header, then the codec's zstd body.
+"""Tensor frames: a fixed 96-byte header, then the codec's body: zstd, or the raw payload itself ("stored")
+when zstd would not pay (``Compressor.pack``). A stored body is exactly ``raw length`` bytes long and a
+zstd body from ``pack`` never is, so the header's lengths tell the two apart.
 
 Header (little endian)::
 

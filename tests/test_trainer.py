@@ -403,5 +403,6 @@ def test_member_order_of_the_mean_does_not_grow_into_parameter_differences():
         by_volunteer=True,
         combine=lambda grads, weights: weighted_mean(grads[::-1], weights[::-1]),
     )
+    # A reordered fp32 sum may differ by an ulp (~1.2e-7 here with one torch thread); the regression was ~1e-6.
     for a, b in zip(forward, backward, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-7)

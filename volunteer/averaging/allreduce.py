@@ -6,6 +6,12 @@ order, as even as possible). Member *i* ``POST``s its copy of part *j* to the ow
 deadline), takes the weighted mean in fp32 and answers every waiting request with the reduced part.
 The owner's own copy never leaves the process. Client-mode members own nothing and only send.
 
+Pipelined: a sender encodes its next sub-frame while the current one is on the wire; a receiver decodes
+a sub-frame in a thread while the next one arrives (a stored codec-none body lands straight in its
+destination); the owner computes each copy's norm as it arrives, decides clipping once every copy is in,
+then reduces and encodes its part slice by slice and streams each answer sub-frame to every waiting
+sender as soon as that slice is ready, instead of answering after the whole part is reduced.
+
 Failures are local, never a hang: a copy that arrives after the deadline is dropped and the weights
 renormalised; a copy that fails a check is refused with a 4xx sentence and listed as rejected; a sender
 whose owner fails keeps its own values for that part and lists it in ``failed_parts``. A round returns by
@@ -207,6 +213,8 @@ class Averager:
                 red.closed = True
                 red.outcome = PartOutcome(None, [], (), (), (), (), reason=f"round {rnd.key} was abandoned")
                 red.done.set()
+            if red is not None:
+                red.finish()  # handlers still streaming an answer stop waiting for more frames
             del self._rounds[rnd.key]
             self._finished[rnd.key] = None
             while len(self._finished) > self.config.remember_rounds:
@@ -296,7 +304,9 @@ class Averager:
     # ------------------------------------------------------------------ owner side
 
     async def _close_part(self, rnd: _Round) -> None:
-        """Close my part when every member settled or at the deadline; reduce and encode it once."""
+        """Close my part when every member settled or at the deadline, then reduce and encode it slice by
+        slice; each sub-frame of the answer is published as soon as it is ready, and the senders' handlers
+        stream it while the next slice is reduced."""
         red = rnd.reducer
         assert red is not None
         try:
@@ -308,39 +318,43 @@ class Averager:
         t = time.perf_counter()
         start, stop = rnd.bounds[rnd.my_part]
         assert rnd.output is not None
-        values, clipped, reason = await asyncio.to_thread(red.reduce, rnd.output[start:stop])
-        frames: list[bytes] = []
-        if values is not None:
-            frames = await asyncio.to_thread(self._encode_result, rnd, values)
+        out = rnd.output[start:stop]
+        terms, clipped, reason = red.plan()  # every norm is known: clipping is decided before any slice
         done = set(red.contributions) | set(red.rejected)
         red.outcome = PartOutcome(
-            values=values,
-            frames=frames,
+            values=out if terms else None,
+            frames=[],
             accepted=tuple(sorted(red.contributions)),
             dropped=tuple(sorted(m for m in red.members if m not in done)),
             rejected=tuple(sorted(red.rejected)),
             clipped=clipped,
-            reduce_s=time.perf_counter() - t,
             reason=reason,
         )
         red.done.set()
+        try:
+            if terms:
+                for a, b in subframe_bounds(0, stop - start, self.config.subframe_elements):
+                    red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
+        finally:
+            red.outcome.reduce_s = time.perf_counter() - t
+            red.finish()
 
-    def _encode_result(self, rnd: _Round, values: np.ndarray) -> list[bytes]:
-        """Frames of the reduced part, once for every receiver (call in a thread).
+    def _reduce_encode(
+        self, rnd: _Round, terms: list[tuple[np.ndarray, np.float32]], out: np.ndarray, a: int, b: int
+    ) -> bytes:
+        """Reduce values ``[a, b)`` of my part into ``out`` and encode them as one frame (call in a thread).
 
         With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
-        and ``values`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
+        and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
         """
+        PartReducer.reduce_slice(terms, a, b, out[a:b])
         start, _ = rnd.bounds[rnd.my_part]
         residual = self._down_residuals.get(rnd.tag)
-        frames = []
-        for a, b in subframe_bounds(0, values.size, self.config.subframe_elements):
-            res = None if residual is None else residual[start + a : start + b]
-            frame, sent = self._coder.encode_sent(values[a:b], res)
-            if self.config.codec.lossy:
-                values[a:b] = sent
-            frames.append(frame)
-        return frames
+        res = None if residual is None else residual[start + a : start + b]
+        frame, sent = self._coder.encode_sent(out[a:b], res)
+        if self.config.codec.lossy:
+            out[a:b] = sent
+        return frame
 
     async def _own_part(self, rnd: _Round, output: np.ndarray, failed: dict[int, str]) -> None:
         red = rnd.reducer
@@ -352,6 +366,7 @@ class Averager:
             failed[rnd.my_part] = red.outcome.reason
             output[start:stop] = red.contributions[self.peer_id].values  # my own values
             return
+        await red.complete.wait()
         answered = len(red.outcome.accepted) - 1  # every accepted sender but me gets the frames
         rnd.stats.bytes_sent += answered * sum(map(len, red.outcome.frames))
         rnd.stats.raw_bytes += answered * 4 * (stop - start)
@@ -452,8 +467,18 @@ class Averager:
         response = web.StreamResponse(headers={HEADER_ELEMENTS: str(red.length)})
         response.content_type = "application/octet-stream"
         await response.prepare(request)
-        for frame in outcome.frames:
-            await response.write(frame)
+        sent = 0
+        try:
+            async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
+                while True:  # each sub-frame as soon as its slice is reduced
+                    while sent >= len(outcome.frames) and not red.complete.is_set():
+                        await red.more.wait()
+                    if sent >= len(outcome.frames):
+                        break
+                    await response.write(outcome.frames[sent])
+                    sent += 1
+        except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
+            log.warning("round %s: the answer for part %d did not finish in time", key, part)
         await response.write_eof()
         return response
 

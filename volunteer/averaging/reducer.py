@@ -23,7 +23,7 @@ class PartOutcome:
     """What the owner decided for its part once it closed."""
 
     values: np.ndarray | None  # the reduced part; None when no contribution with weight arrived
-    frames: list[bytes]  # ``values`` encoded once, sent to every waiting member
+    frames: list[bytes]  # ``values`` encoded once, sub-frame by sub-frame as each slice is reduced
     accepted: tuple[str, ...]
     dropped: tuple[str, ...]
     rejected: tuple[str, ...]
@@ -51,8 +51,10 @@ class PartReducer:
     rejected: dict[str, str] = field(default_factory=dict)
     duplicates: set[str] = field(default_factory=set)  # sent a second copy (refused with 409)
     closed: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # ``outcome`` is decided
     outcome: PartOutcome | None = None
+    more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
+    complete: asyncio.Event = field(default_factory=asyncio.Event)  # every frame is in, or never will be
 
     def begin(self, peer_id: str) -> bool:
         """Mark the start of ``peer_id``'s contribution; False if it already sent one."""
@@ -71,11 +73,23 @@ class PartReducer:
     def settled(self) -> bool:
         return len(self.contributions) + len(self.rejected) >= len(self.members)
 
-    def reduce(self, out: np.ndarray) -> tuple[np.ndarray | None, tuple[str, ...], str]:
-        """Weighted mean in fp32 of the accepted contributions into ``out``, outliers clipped (in a thread).
+    def add_frame(self, frame: bytes) -> None:
+        """Publish the next frame of the answer to the senders waiting for it."""
+        assert self.outcome is not None
+        self.outcome.frames.append(frame)
+        woken, self.more = self.more, asyncio.Event()
+        woken.set()
 
-        Returns ``out`` (or None when nothing with a weight arrived, ``out`` untouched), the clipped members
-        and, on failure, why.
+    def finish(self) -> None:
+        """No more frames will come (all are in, or the round was abandoned)."""
+        self.complete.set()
+        self.more.set()
+
+    def plan(self) -> tuple[list[tuple[np.ndarray, np.float32]], tuple[str, ...], str]:
+        """The terms of the weighted mean: (copy, factor) pairs, outliers clipped; once every copy is in.
+
+        Returns the terms (empty when nothing with a weight arrived), the clipped members and, on failure,
+        why. Clipping needs every member's norm, so no slice can be reduced before this.
         """
         # Members in peer-id order, not arrival order: the fp32 sum is then the same whatever the network did.
         weighted = sorted(
@@ -83,7 +97,7 @@ class PartReducer:
             key=lambda c: c.peer_id,
         )
         if not weighted:
-            return None, (), "no contribution with a positive weight reached the part owner in time"
+            return [], (), "no contribution with a positive weight reached the part owner in time"
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
@@ -95,13 +109,34 @@ class PartReducer:
                     clipped.append(c.peer_id)
         total = math.fsum(c.weight for c in weighted)
         weighted.sort(key=lambda c: c.owned)  # my own copy (a view of the caller's vector) first
+        terms = [(c.values, np.float32(c.weight * scales[c.peer_id] / total)) for c in weighted]
+        return terms, tuple(sorted(clipped)), ""
+
+    @staticmethod
+    def reduce_slice(terms: list[tuple[np.ndarray, np.float32]], a: int, b: int, out: np.ndarray) -> None:
+        """Weighted mean in fp32 of values ``[a, b)`` of every term into ``out`` (in a thread).
+
+        Element by element the same operations in the same order whatever the slicing, so a part reduced
+        slice by slice is bit for bit the part reduced at once.
+        """
         first = True
-        for c in weighted:
-            factor = np.float32(c.weight * scales[c.peer_id] / total)
-            if first:
-                np.multiply(c.values, factor, out=out)
+        for values, factor in terms:
+            if first:  # the first term may be the caller's vector: never written
+                np.multiply(values[a:b], factor, out=out)
                 first = False
             else:  # a received copy: scale it in place, then add; no temporaries
-                c.values *= factor
-                out += c.values
-        return out, tuple(sorted(clipped)), ""
+                v = values[a:b]
+                v *= factor
+                out += v
+
+    def reduce(self, out: np.ndarray) -> tuple[np.ndarray | None, tuple[str, ...], str]:
+        """Weighted mean in fp32 of the accepted contributions into ``out``, outliers clipped (in a thread).
+
+        Returns ``out`` (or None when nothing with a weight arrived, ``out`` untouched), the clipped members
+        and, on failure, why.
+        """
+        terms, clipped, reason = self.plan()
+        if not terms:
+            return None, (), reason
+        self.reduce_slice(terms, 0, self.length, out)
+        return out, clipped, ""

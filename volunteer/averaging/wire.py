@@ -2,7 +2,12 @@
 
 A part travels as frames of at most ``subframe_elements`` values each (see
 :mod:`crowdtrain.protocol.frames`), one after another in one HTTP body. The reader takes one frame at a
-time with sizes checked before reading, so no body is ever joined in memory.
+time with sizes checked before reading, so no body is ever joined in memory; received chunks are copied
+once, straight to where they belong (a stored codec-none body into the destination values), and a frame
+is decoded in a thread while the next one arrives.
+
+Codec none skips zstd when it does not pay (``AveragingConfig.zstd_min_gain``): the body is then the
+fp32 bytes as they are, which the frame header shows by an encoded length equal to the raw length.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 from aiohttp import StreamReader
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size, untransform
 from crowdtrain.protocol.errors import ProtocolError
-from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, encode_raw_frame, pack_header, parse_header
+from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, pack_header, parse_header
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 
 HEADER_WEIGHT = "X-Crowdtrain-Weight"
@@ -35,7 +40,9 @@ class Coder:
     def _compressor(self) -> Compressor:
         c = getattr(self._local, "compressor", None)
         if c is None:
-            c = self._local.compressor = Compressor(self.config.zstd_level, self.config.limits)
+            cfg = self.config
+            min_gain = 0.0 if cfg.codec.lossy else cfg.zstd_min_gain
+            c = self._local.compressor = Compressor(cfg.zstd_level, cfg.limits, min_gain)
         return c
 
     def encode(self, values: np.ndarray, residual: np.ndarray | None = None) -> bytes:
@@ -50,31 +57,43 @@ class Coder:
         """
         codec = self.config.codec
         if not codec.lossy:
-            # zstd reads the float32 memory directly: no intermediate bytes copy
-            body = self._compressor().compress(memoryview(np.ascontiguousarray(values)).cast("B"))
-            return pack_header(codec, (values.size,), 4 * values.size, body) + body, values
+            # zstd (or the stored body) reads the float32 memory directly: no intermediate bytes copy
+            raw = memoryview(np.ascontiguousarray(values)).cast("B")
+            body = self._compressor().pack(raw)
+            return pack_header(codec, (values.size,), len(raw), body) + body, values
         feedback = ErrorFeedback(codec)
         if residual is not None:
             feedback.residual = residual
         raw, sent = feedback.transform(values)
         if residual is not None:
             residual[:] = feedback.residual
-        return encode_raw_frame(raw, codec, (values.size,), self._compressor()), sent
+        body = self._compressor().pack(raw)
+        return pack_header(codec, (values.size,), len(raw), body) + body, sent
 
-    def decode_into(self, header: FrameHeader, body: bytes, out: np.ndarray) -> float:
-        """Decode one frame body into ``out``; return the squared L2 norm. Raises on non-finite values."""
-        if len(body) != header.encoded_length:
-            raise ProtocolError(
-                f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
-            )
-        if zlib.crc32(body) != header.crc32:
-            raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
+    def decode_into(self, header: FrameHeader, body: bytes | bytearray | None, out: np.ndarray) -> float:
+        """Decode one frame body into ``out``; return the squared L2 norm. Raises on non-finite values.
+
+        ``body`` None: the frame is a stored codec-none body that :func:`read_part` already read straight
+        into ``out``'s memory; only its checksum and values are checked here.
+        """
         n = header.numel
-        raw = self._compressor().decompress(body, raw_size(header.codec, n))
-        if header.codec is Codec.NONE:
-            out[:] = np.frombuffer(raw, dtype=np.float32)
+        if body is None:
+            if header.codec is not Codec.NONE or header.encoded_length != 4 * n:
+                raise ProtocolError("internal: only a stored codec-none body can be read in place")
+            if zlib.crc32(memoryview(out).cast("B")) != header.crc32:
+                raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
         else:
-            out[:] = untransform(raw, header.codec, n)
+            if len(body) != header.encoded_length:
+                raise ProtocolError(
+                    f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
+                )
+            if zlib.crc32(body) != header.crc32:
+                raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
+            raw = self._compressor().decompress(body, raw_size(header.codec, n))
+            if header.codec is Codec.NONE:
+                out[:] = np.frombuffer(raw, dtype=np.float32)
+            else:
+                out[:] = untransform(raw, header.codec, n)
         with np.errstate(over="ignore", invalid="ignore"):
             norm2 = float(np.dot(out, out))  # finite only if every value is: one pass for both
         if not math.isfinite(norm2):
@@ -89,6 +108,48 @@ class NonFinite(ProtocolError):
     """A frame decoded to NaN or infinite values."""
 
 
+class _Reader:
+    """Exact reads from an aiohttp stream into memory the caller gives: each received chunk is copied once,
+    straight to where it belongs (``StreamReader.readexactly`` joins chunks, twice for a large read)."""
+
+    def __init__(self, stream: StreamReader) -> None:
+        self.stream = stream
+        self.chunk = b""  # the last chunk received; bytes before ``offset`` are consumed
+        self.offset = 0
+
+    async def _fill(self) -> bool:
+        """Make sure unconsumed bytes are at hand; False at the end of the body."""
+        while self.offset >= len(self.chunk):
+            if self.stream.at_eof():  # also the empty body's reader, whose readchunk never says "end"
+                return False
+            data, end_of_http_chunk = await self.stream.readchunk()
+            if data:
+                self.chunk, self.offset = data, 0
+            elif not end_of_http_chunk:
+                return False
+        return True
+
+    async def readinto(self, dest: np.ndarray) -> None:
+        """Fill ``dest`` (a flat uint8 array) from the stream."""
+        pos, n = 0, dest.size
+        while pos < n:
+            if not await self._fill():
+                raise asyncio.IncompleteReadError(dest[:pos].tobytes(), n)
+            k = min(len(self.chunk) - self.offset, n - pos)
+            # numpy copies at memcpy speed; a memoryview slice assignment is ~15x slower
+            dest[pos : pos + k] = np.frombuffer(self.chunk, np.uint8, count=k, offset=self.offset)
+            self.offset += k
+            pos += k
+
+    async def readexactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        await self.readinto(np.frombuffer(buf, np.uint8))
+        return buf
+
+    async def at_end(self) -> bool:
+        return not await self._fill()
+
+
 async def read_part(
     stream: StreamReader,
     coder: Coder,
@@ -98,40 +159,58 @@ async def read_part(
     """Read ``elements`` values as sub-frames from ``stream`` into ``out_for(start, stop)``.
 
     Returns (squared norm, bytes read). Every size is checked before anything is read; the stream must end
-    right after the last frame. The caller bounds the whole read with a timeout.
+    right after the last frame. The caller bounds the whole read with a timeout. A stored codec-none body
+    is read straight into the destination (its checksum is checked right after, before the values count).
     """
     config = coder.config
+    reader = _Reader(stream)
     got = 0
     nbytes = 0
     norm2 = 0.0
-    while got < elements:
-        head = await stream.readexactly(HEADER_SIZE)
-        header = parse_header(head, config.limits)
-        if header.codec is not config.codec:
-            raise ProtocolError(
-                f"frame uses codec {header.codec.label} but this round uses {config.codec.label}"
-            )
-        n = header.numel
-        if len(header.shape) != 1 or n < 1 or n > config.subframe_elements:
-            raise ProtocolError(
-                f"sub-frame has shape {list(header.shape)}; expected one dimension of 1 to "
-                f"{config.subframe_elements} values"
-            )
-        if got + n > elements:
-            raise ProtocolError(
-                f"sub-frames carry more than the {elements} values this part holds; check the part bounds"
-            )
-        if header.encoded_length > config.max_body_bytes(n):
-            raise ProtocolError(
-                f"sub-frame body declares {header.encoded_length} bytes, more than {n} values can need"
-            )
-        body = await stream.readexactly(header.encoded_length)
-        nbytes += HEADER_SIZE + len(body)
-        norm2 += await asyncio.to_thread(coder.decode_into, header, body, out_for(got, got + n))
-        got += n
-    tail = await stream.read(1)
-    if tail:
-        raise ProtocolError(f"body continues after the {elements} values this part holds")
+    pending: asyncio.Future[float] | None = None  # the previous sub-frame, decoding while this one arrives
+    try:
+        while got < elements:
+            header = parse_header(await reader.readexactly(HEADER_SIZE), config.limits)
+            if header.codec is not config.codec:
+                raise ProtocolError(
+                    f"frame uses codec {header.codec.label} but this round uses {config.codec.label}"
+                )
+            n = header.numel
+            if len(header.shape) != 1 or n < 1 or n > config.subframe_elements:
+                raise ProtocolError(
+                    f"sub-frame has shape {list(header.shape)}; expected one dimension of 1 to "
+                    f"{config.subframe_elements} values"
+                )
+            if got + n > elements:
+                raise ProtocolError(
+                    f"sub-frames carry more than the {elements} values this part holds; check the part bounds"
+                )
+            if header.encoded_length > config.max_body_bytes(n):
+                raise ProtocolError(
+                    f"sub-frame body declares {header.encoded_length} bytes, more than {n} values can need"
+                )
+            out = out_for(got, got + n)
+            body: bytearray | None
+            if header.codec is Codec.NONE and header.encoded_length == 4 * n:  # stored fp32: read in place
+                body = None
+                await reader.readinto(out.view(np.uint8))
+            else:
+                body = await reader.readexactly(header.encoded_length)
+            nbytes += HEADER_SIZE + header.encoded_length
+            if pending is not None:
+                norm2 += await pending
+            pending = asyncio.ensure_future(asyncio.to_thread(coder.decode_into, header, body, out))
+            got += n
+        if pending is not None:
+            norm2 += await pending
+        if not await reader.at_end():
+            raise ProtocolError(f"body continues after the {elements} values this part holds")
+    finally:
+        # never return (or fail) while a thread still writes into the caller's memory
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])
+        if pending is not None and pending.done() and not pending.cancelled():
+            pending.exception()  # retrieved: an error already raised above is the one that counts
     return norm2, nbytes
 
 
