@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import safetensors.torch
 import torch
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.messages import StateManifest, StateVersion
 from crowdtrain.volunteer.state.config import KiB, MiB
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 FORMAT = 1
 META_KEY = "crowdtrain"
@@ -186,7 +187,7 @@ def make_snapshot(
         "aliases": aliases,
     }
     meta = json.dumps(header, default=_json_default, sort_keys=True, allow_nan=False)
-    data = safetensors.torch.save(tensors, metadata={META_KEY: meta})
+    data = safetensors_save(tensors, metadata={META_KEY: meta})
     return describe(data, run_id=run_id, step=step, range_bytes=range_bytes)
 
 
@@ -220,7 +221,7 @@ def load_snapshot(data: bytes) -> LoadedState:
     """
     header = _read_header(data)
     try:
-        tensors = safetensors.torch.load(data)
+        tensors = safetensors_load(data)  # safetensors, never pickle
     except Exception as exc:  # safetensors raises its own SafetensorError for any defect
         raise ProtocolError(f"state snapshot is not a valid safetensors file ({exc})") from None
     for name, target in header.aliases.items():
