@@ -9,7 +9,66 @@ import base64
 from pathlib import Path
 from typing import Any
 
+from crowdtrain.protocol.errors import ConfigError, ProtocolError
 from crowdtrain.protocol.messages import RunCreate, convert
+
+MAX_TORRENT_BYTES = 8 << 20
+
+
+def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], bytes]:
+    """The ``[dataset]`` table → (DatasetRef as a dict, torrent bytes)."""
+    from crowdtrain.protocol import bencode
+    from crowdtrain.protocol.messages import DatasetManifest, decode, to_builtins
+
+    unknown = sorted(set(section) - {"dir", "torrent", "web_seed"})
+    if unknown:
+        raise ConfigError(f"dataset.{unknown[0]}", "is not a known key; use dir, torrent and web_seed")
+    if not isinstance(section.get("dir"), str):
+        raise ConfigError("dataset.dir", "must name the folder `crowdtrain dataset make` wrote")
+    folder = (base / section["dir"]).resolve()
+    manifest_path = folder / "manifest.json"
+    try:
+        manifest = decode(manifest_path.read_bytes(), DatasetManifest)
+    except OSError as exc:
+        raise ConfigError("dataset.dir", f"cannot read {manifest_path}: {exc.strerror}") from None
+    except ProtocolError as exc:
+        raise ConfigError("dataset.dir", f"{manifest_path} is not a data-set manifest ({exc})") from None
+    if "torrent" in section:
+        torrent_path = (base / str(section["torrent"])).resolve()
+    else:
+        torrent_path = folder / f"{manifest.name}.torrent"
+        if not torrent_path.exists():
+            found = sorted(folder.glob("*.torrent"))
+            if len(found) == 1:
+                torrent_path = found[0]
+    try:
+        if torrent_path.stat().st_size > MAX_TORRENT_BYTES:
+            raise ConfigError("dataset.torrent", f"{torrent_path} is larger than {MAX_TORRENT_BYTES} bytes")
+        torrent = torrent_path.read_bytes()
+    except OSError as exc:
+        raise ConfigError("dataset.torrent", f"cannot read {torrent_path}: {exc.strerror}") from None
+    try:
+        infohash = bencode.infohash_v1(torrent)
+        top = bencode.decode(torrent)
+    except ProtocolError as exc:
+        raise ConfigError("dataset.torrent", f"{torrent_path} is not a .torrent file ({exc})") from None
+    web_seed = section.get("web_seed")
+    if web_seed is None:
+        urls = top.get(b"url-list")
+        if isinstance(urls, bytes):
+            web_seed = urls.decode(errors="replace")
+        elif isinstance(urls, list) and urls and isinstance(urls[0], bytes):
+            web_seed = urls[0].decode(errors="replace")
+    return {"infohash": infohash, "manifest": to_builtins(manifest), "web_seed": web_seed}, torrent
+
+
+def param_hash_of(model: dict[str, Any]) -> str:
+    """Build the recipe locally to compute its parameter-schema hash (imports torch; publisher side only)."""
+    from crowdtrain.volunteer.models.recipe import param_hash
+    from crowdtrain.volunteer.models.registry import get_recipe
+
+    recipe = get_recipe(str(model.get("recipe", "")))
+    return param_hash(recipe.build(dict(model.get("args", {}))))
 
 
 def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **settings: Any) -> RunCreate:
@@ -18,12 +77,10 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
     ``settings`` are the other RunCreate fields as plain data (``target_batch_size``, ``optimizer``,
     ``schedule``, ``averaging``, ``micro_batch_size``, ``join_policy``, ``join_token``, ``seed``).
     """
-    from crowdtrain.commands.run import _param_hash, _read_dataset
-
-    dataset, torrent = _read_dataset({"dir": str(data_dir)}, Path.cwd())
+    dataset, torrent = read_dataset({"dir": str(data_dir)}, Path.cwd())
     model = dict(model)
     if not model.get("param_hash"):
-        model["param_hash"] = _param_hash(model)
+        model["param_hash"] = param_hash_of(model)
     doc = {
         "name": name,
         "model": model,
