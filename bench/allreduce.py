@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,16 +112,24 @@ def crowdtrain_worker(args) -> None:
         rng = np.random.default_rng(args.rank)
         x = rng.standard_normal(args.n).astype(np.float32)
         sync = np.zeros(1, np.float32)
+        out = np.empty_like(x)  # one result buffer for every round, as `crowdtrain join` does
         times, sent, raw = [], [], []
         for a in assignments:
             await averager.allreduce(a, sync, 1.0, tag="sync")
-            t, cpu = time.perf_counter(), time.process_time()
-            result = await averager.allreduce(a, x, 1.0, tag="grad")
+            t, cpu, ru = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            result = await averager.allreduce(a, x, 1.0, tag="grad", out=out)
             times.append(time.perf_counter() - t)
             if os.environ.get("BENCH_DEBUG"):  # per member and round: wall, CPU of all threads, phases
                 cpu = time.process_time() - cpu
+                ru2 = resource.getrusage(resource.RUSAGE_SELF)
+                user, system = ru2.ru_utime - ru.ru_utime, ru2.ru_stime - ru.ru_stime
                 phases = {k: round(v, 3) for k, v in result.phases.items()}
-                print(args.rank, f"wall {times[-1]:.3f} s, cpu {cpu:.3f} s", phases, file=sys.stderr)
+                print(
+                    args.rank,
+                    f"wall {times[-1]:.3f} s, cpu {cpu:.3f} s (user {user:.3f}, system {system:.3f}, faults {ru2.ru_minflt - ru.ru_minflt})",
+                    phases,
+                    file=sys.stderr,
+                )
             sent.append(result.bytes_sent)
             raw.append(result.raw_bytes)
             if result.failed_parts or result.dropped or result.rejected:
@@ -133,7 +142,10 @@ def crowdtrain_worker(args) -> None:
             json.dumps({"times": times[w:], "sent": sent[w:], "raw": raw[w:], "ready_s": ready}),
         )
 
-    asyncio.run(main())
+    from crowdtrain.commands.common import new_event_loop
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the loop `crowdtrain join` runs on
+        runner.run(main())
 
 
 # ------------------------------------------------------------------ coordinator
@@ -157,6 +169,7 @@ def _collect(procs, d: Path, world: int) -> list[dict]:
 
 def run_gloo(n: int, world: int) -> dict:
     warmup, rounds = ROUNDS[n]
+    rounds = int(os.environ.get("BENCH_ROUNDS", rounds))
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         procs = [_spawn("gloo", d, r, world, n, warmup, rounds, "none", 1) for r in range(world)]
@@ -171,6 +184,7 @@ def run_crowdtrain(n: int, world: int, codec: str, level: int) -> dict:
     from crowdtrain.protocol.messages import GroupAssignment, GroupMember, encode
 
     warmup, rounds = ROUNDS[n]
+    rounds = int(os.environ.get("BENCH_ROUNDS", rounds))
     tracker = SigningKey()
     keys = [SigningKey() for _ in range(world)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -242,16 +242,25 @@ class Compressor:
         of a full compression instead of all of it.
         """
         n = len(raw)
-        if self.min_gain > 0 and n >= _SAMPLE_MIN:
-            view = memoryview(raw).cast("B")
-            step = n // _SAMPLE_STRIPS
-            sample = b"".join(view[k * step : k * step + _SAMPLE_STRIP] for k in range(_SAMPLE_STRIPS))
-            if len(self._c.compress(sample)) > (1.0 - self.min_gain) * len(sample):
-                return raw
+        if self.stores(raw):
+            return raw
         body = self._c.compress(raw)
         if len(body) >= n or (self.min_gain > 0 and len(body) > (1.0 - self.min_gain) * n):
             return raw
         return body
+
+    def stores(self, raw: bytes | memoryview) -> bool:
+        """True when a sample of ``raw`` shows that zstd would not save ``min_gain`` of its bytes, so it
+        goes stored without compressing it all. Only large payloads are judged on a sample (``_SAMPLE_STRIPS``
+        strips spread over it); False for small ones and when there is no minimum gain (then :meth:`pack`
+        compresses and compares)."""
+        view = memoryview(raw).cast("B")
+        n = view.nbytes
+        if self.min_gain <= 0 or n < _SAMPLE_MIN:
+            return False
+        step = n // _SAMPLE_STRIPS
+        sample = b"".join(view[k * step : k * step + _SAMPLE_STRIP] for k in range(_SAMPLE_STRIPS))
+        return len(self._c.compress(sample)) > (1.0 - self.min_gain) * len(sample)
 
     def decompress(self, body: bytes | memoryview, expected: int) -> bytes | memoryview:
         """Decompress exactly ``expected`` bytes; refuse before allocating if that is over the limit.

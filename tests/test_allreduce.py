@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 from crowdtrain.protocol.codecs import Codec
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, sign_assignment
+from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig, part_bounds
 from crowdtrain.volunteer.events import Event, RoundDone
@@ -45,7 +46,9 @@ class Peer:
             self.runner = None
 
 
-async def start_peer(peer_id: str, config: AveragingConfig, *, serve: bool = True) -> Peer:
+async def start_peer(
+    peer_id: str, config: AveragingConfig, *, serve: bool = True, middlewares: tuple = ()
+) -> Peer:
     key = SigningKey()
     credential = issue_credential(TRACKER, RUN, peer_id, key.public_hex, 3600)
     events: list[Event] = []
@@ -60,7 +63,7 @@ async def start_peer(peer_id: str, config: AveragingConfig, *, serve: bool = Tru
     )
     runner = address = None
     if serve:
-        app = web.Application()
+        app = web.Application(middlewares=middlewares)
         app.add_routes(averager.routes())
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -225,6 +228,79 @@ async def test_two_rounds_on_one_assignment_with_tags():
         np.testing.assert_allclose(r1[0].values, weighted_mean(grads, [1, 2, 3]), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(r2[2].values, weighted_mean(params, [1, 2, 3]), rtol=1e-6, atol=1e-6)
         assert r2[0].round_key == f"{assignment.round_id}/params"
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+# ------------------------------------------------------------------ stored parts (codec none, dense values)
+
+
+async def test_dense_parts_travel_stored_with_a_length_and_sparse_ones_compressed_and_the_mean_is_exact():
+    """Large parts take two paths: dense fp32 goes stored with a Content-Length (straight from memory), a
+    part with many zeros goes zstd in chunks. Mixed in one group, over two rounds that reuse the receive
+    buffers and the result buffer, the mean stays exact and the group equal."""
+    seen: list[tuple[str, str, bool, bool]] = []  # (owner, sender, request chunked, answer chunked)
+    weights = [2, 0, 5, 1]
+    by_weight = {repr(float(w)): f"big{i}" for i, w in enumerate(weights)}  # each sender's weight differs
+
+    def recorder(owner: str):
+        @web.middleware
+        async def record(request: web.Request, handler):
+            response = await handler(request)
+            sender = by_weight.get(request.headers.get("X-Crowdtrain-Weight", ""), "")
+            chunked = "chunked" in request.headers.get("Transfer-Encoding", "")
+            answer_chunked = "chunked" in response.headers.get("Transfer-Encoding", "")
+            seen.append((owner, sender, chunked, answer_chunked))
+            return response
+
+        return record
+
+    config = AveragingConfig(codec=Codec.NONE, clip_multiple=0, subframe_elements=30_000)
+    peers = [await start_peer(f"big{i}", config, middlewares=(recorder(f"big{i}"),)) for i in range(4)]
+    n = 4 * 70_000 + 3  # parts of ~280 KB: judged on a sample; sub-frames of uneven sizes
+    outs = [np.empty(n, np.float32) for _ in peers]
+    try:
+        for round_no in range(2):
+            rng = np.random.default_rng(round_no)
+            vectors = [rng.standard_normal(n).astype(np.float32) for _ in peers]
+            vectors[3][rng.random(n) < 0.9] = 0.0  # big3's values are 90 % zeros: zstd pays
+            assignment = assign(peers, weights)
+            results = await asyncio.gather(
+                *(
+                    p.averager.allreduce(assignment, v, float(w), out=o)
+                    for p, v, w, o in zip(peers, vectors, weights, outs, strict=True)
+                )
+            )
+            expected = weighted_mean(vectors, weights)
+            for r, o in zip(results, outs, strict=True):
+                assert r.values is o and r.failed_parts == () and r.rejected == ()
+                np.testing.assert_allclose(r.values, expected, rtol=2e-6, atol=2e-6 * np.abs(expected).max())
+                np.testing.assert_array_equal(r.values, results[0].values)
+    finally:
+        for p in peers:
+            await p.stop()
+    ids = {p.peer_id for p in peers}
+    assert len(seen) == 2 * 4 * 3
+    for owner, sender, request_chunked, answer_chunked in seen:
+        assert sender in ids and sender != owner
+        if sender == "big1":  # weight 0: sends no values at all
+            assert not request_chunked
+        else:
+            assert request_chunked == (sender == "big3"), (owner, sender)
+        assert answer_chunked == (owner == "big3"), owner  # the answer follows the owner's own copy
+
+
+async def test_a_result_buffer_that_does_not_fit_is_refused_with_a_sentence():
+    peers = await start_peers(2, AveragingConfig(), prefix="out-")
+    try:
+        v = np.ones(10, np.float32)
+        with pytest.raises(
+            AveragingError, match="out must be flat float32 of 10 values apart from the vector"
+        ):
+            await peers[0].averager.allreduce(assign(peers, [1, 1]), v, 1.0, out=np.empty(9, np.float32))
+        with pytest.raises(AveragingError, match="apart from the vector"):
+            await peers[0].averager.allreduce(assign(peers, [1, 1]), v, 1.0, out=v)
     finally:
         for p in peers:
             await p.stop()

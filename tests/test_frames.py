@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 
+import crc32c
 import numpy as np
 import pytest
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size
@@ -119,7 +120,7 @@ def frame() -> bytes:
     ("index", "value", "error", "text"),
     [
         (0, b"XXXX", ProtocolError, "does not start with the crowdtrain magic"),
-        (1, 2, ProtocolError, "frame version 2 is not supported"),
+        (1, 1, ProtocolError, r"frame version 1 is not supported \(this peer speaks 2\)"),
         (2, 9, ProtocolError, "unknown codec id 9"),
         (3, 1, ProtocolError, "unknown dtype id 1"),
         (4, 0, ProtocolError, "frame has 0 dimensions; 1 to 8 are allowed"),
@@ -129,7 +130,7 @@ def frame() -> bytes:
         (5, 2**23, LimitExceeded, "frame declares more than the limit of 16777216 elements"),
         (13, 7, ProtocolError, "frame declares 7 raw bytes but 12 values in codec fp16 need 24"),
         (14, 2**40, LimitExceeded, "frame body declares 1099511627776 bytes, more than the limit"),
-        (15, 0, ProtocolError, "fails its crc32 checksum"),
+        (15, 0, ProtocolError, "fails its CRC-32C checksum"),
     ],
 )
 def test_tampered_header_fields_are_refused(frame, index, value, error, text):
@@ -174,4 +175,7 @@ def test_limits_are_configurable():
 def test_magic_and_checksum_layout():
     frame = encode_frame(np.ones(3, np.float32), Codec.NONE, Compressor())
     assert frame[:4] == MAGIC
-    assert struct.unpack_from("<I", frame, 88)[0] == zlib.crc32(frame[HEADER_SIZE:])
+    # CRC-32C (Castagnoli), not zlib's CRC-32: the published check value of b"123456789" is 0xE3069283
+    assert crc32c.crc32c(b"123456789") == 0xE3069283
+    assert struct.unpack_from("<I", frame, 88)[0] == crc32c.crc32c(frame[HEADER_SIZE:])
+    assert struct.unpack_from("<I", frame, 88)[0] != zlib.crc32(frame[HEADER_SIZE:])

@@ -7,8 +7,8 @@ import json
 import os
 import struct
 import tracemalloc
-import zlib
 
+import crc32c
 import numpy as np
 import pytest
 import zstandard
@@ -64,7 +64,7 @@ def with_crc(buf: bytes) -> bytes:
     if len(buf) < HEADER_SIZE:
         return buf
     fields = list(HEADER.unpack_from(buf))
-    fields[15] = zlib.crc32(buf[HEADER_SIZE:])
+    fields[15] = crc32c.crc32c(buf[HEADER_SIZE:])
     return HEADER.pack(*fields) + buf[HEADER_SIZE:]
 
 

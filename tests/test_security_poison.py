@@ -81,10 +81,10 @@ class Hostile(Volunteer):
                 values = np.resize(values, size["n"])
             return apply(np.nan_to_num(values), step)
 
-        async def bad_allreduce(assignment, vector, weight, *, tag="grad"):
+        async def bad_allreduce(assignment, vector, weight, *, tag="grad", **kw):
             if tag == "grad" and self.mode() == "weight" and weight > 0:
                 weight *= 50
-            return await allreduce(assignment, vector, weight, tag=tag)
+            return await allreduce(assignment, vector, weight, tag=tag, **kw)
 
         def lenient_prepare(a, vector, weight, tag):  # let the inflated weight past its own check
             me = next(m for m in a.members if m.peer_id == self.peer_id)
@@ -282,8 +282,8 @@ async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(
         coder = peers[0].averager._coder
         encode_sent = coder.encode_sent
 
-        def forged(values, residual=None):
-            return encode_sent(np.full_like(values, 123.0 if answer == "finite" else np.nan), residual)
+        def forged(values, residual=None, **kw):
+            return encode_sent(np.full_like(values, 123.0 if answer == "finite" else np.nan), residual, **kw)
 
         coder.encode_sent = forged
         rng = np.random.default_rng(1)

@@ -144,6 +144,7 @@ class Volunteer:
         self._pending_state: asyncio.Task | None = None
         # While catching up: step -> (averaged gradient, averaged parameters or None), replayed on load.
         self._replay: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self._mean_grad: np.ndarray | None = None  # the group's mean gradient, written every step
 
     # ------------------------------------------------------------------ plumbing
 
@@ -473,8 +474,15 @@ class Volunteer:
         started = time.monotonic()
         self._phase("averaging")
         grad = await asyncio.to_thread(self.trainer.flat_grad)
+        # The mean lands in one buffer reused every step (the trainer copies it into .grad), except while
+        # catching up: those averages are kept for the replay.
+        out = None
+        if not catching_up:
+            if self._mean_grad is None or self._mean_grad.size != grad.size:
+                self._mean_grad = np.empty_like(grad)
+            out = self._mean_grad
         try:
-            result = await self.averager.allreduce(assignment, grad, float(weight), tag="grad")
+            result = await self.averager.allreduce(assignment, grad, float(weight), tag="grad", out=out)
         except AveragingError as exc:
             self._note(
                 logging.WARNING,

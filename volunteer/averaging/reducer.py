@@ -23,7 +23,8 @@ class PartOutcome:
     """What the owner decided for its part once it closed."""
 
     values: np.ndarray | None  # the reduced part; None when no contribution with weight arrived
-    frames: list[bytes]  # ``values`` encoded once, sub-frame by sub-frame as each slice is reduced
+    # ``values`` encoded once as (header, body) frames, sub-frame by sub-frame as each slice is reduced
+    frames: list[tuple[bytes, bytes | memoryview]]
     accepted: tuple[str, ...]
     dropped: tuple[str, ...]
     rejected: tuple[str, ...]
@@ -73,7 +74,7 @@ class PartReducer:
     def settled(self) -> bool:
         return len(self.contributions) + len(self.rejected) >= len(self.members)
 
-    def add_frame(self, frame: bytes) -> None:
+    def add_frame(self, frame: tuple[bytes, bytes | memoryview]) -> None:
         """Publish the next frame of the answer to the senders waiting for it."""
         assert self.outcome is not None
         self.outcome.frames.append(frame)

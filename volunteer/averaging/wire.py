@@ -15,14 +15,13 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 from aiohttp import StreamReader
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size, untransform
 from crowdtrain.protocol.errors import ProtocolError
-from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, pack_header, parse_header
+from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, checksum, pack_header, parse_header
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 
 HEADER_WEIGHT = "X-Crowdtrain-Weight"
@@ -45,22 +44,40 @@ class Coder:
             c = self._local.compressor = Compressor(cfg.zstd_level, cfg.limits, min_gain)
         return c
 
-    def encode(self, values: np.ndarray, residual: np.ndarray | None = None) -> bytes:
-        """One frame of ``values`` in the configured codec (call in a thread)."""
-        return self.encode_sent(values, residual)[0]
+    def stores(self, values: np.ndarray) -> bool:
+        """True when ``values`` (a whole part) go stored: codec none, and a sample shows zstd would not
+        save ``zstd_min_gain`` of the bytes (dense fp32). A stored part has a length known before it is
+        sent, so it travels with a Content-Length straight from the caller's memory (see
+        :func:`stored_frames`) instead of as chunks that aiohttp joins into new bytes."""
+        if self.config.codec is not Codec.NONE:
+            return False
+        return self._compressor().stores(memoryview(np.ascontiguousarray(values)).cast("B"))
 
-    def encode_sent(self, values: np.ndarray, residual: np.ndarray | None = None) -> tuple[bytes, np.ndarray]:
-        """One frame of ``values`` and the values its receiver will decode (call in a thread).
+    def encode(
+        self, values: np.ndarray, residual: np.ndarray | None = None
+    ) -> tuple[bytes, bytes | memoryview]:
+        """One frame of ``values`` in the configured codec as (header, body) (call in a thread)."""
+        header, body, _ = self.encode_sent(values, residual)
+        return header, body
+
+    def encode_sent(
+        self, values: np.ndarray, residual: np.ndarray | None = None, *, stored: bool = False
+    ) -> tuple[bytes, bytes | memoryview, np.ndarray]:
+        """One frame of ``values`` as (header, body) and the values its receiver will decode (in a thread).
 
         With a lossy codec and a ``residual`` slice, the quantisation error is fed back: ``residual`` is
-        added before encoding and updated in place with what this encode dropped.
+        added before encoding and updated in place with what this encode dropped. ``stored`` (codec none
+        only): the body is a copy of the fp32 bytes, never compressed, so the frame's length is known
+        before it is encoded.
         """
         codec = self.config.codec
         if not codec.lossy:
-            # zstd (or the stored body) reads the float32 memory directly: no intermediate bytes copy
             raw = memoryview(np.ascontiguousarray(values)).cast("B")
-            body = self._compressor().pack(raw)
-            return pack_header(codec, (values.size,), len(raw), body) + body, values
+            if stored:
+                body: bytes | memoryview = raw.tobytes()
+            else:  # zstd (or the stored body) reads the float32 memory directly: no intermediate copy
+                body = self._compressor().pack(raw)
+            return pack_header(codec, (values.size,), len(raw), body), body, values
         feedback = ErrorFeedback(codec)
         if residual is not None:
             feedback.residual = residual
@@ -68,7 +85,7 @@ class Coder:
         if residual is not None:
             residual[:] = feedback.residual
         body = self._compressor().pack(raw)
-        return pack_header(codec, (values.size,), len(raw), body) + body, sent
+        return pack_header(codec, (values.size,), len(raw), body), body, sent
 
     def decode_into(self, header: FrameHeader, body: bytes | bytearray | None, out: np.ndarray) -> float:
         """Decode one frame body into ``out``; return the squared L2 norm. Raises on non-finite values.
@@ -80,15 +97,15 @@ class Coder:
         if body is None:
             if header.codec is not Codec.NONE or header.encoded_length != 4 * n:
                 raise ProtocolError("internal: only a stored codec-none body can be read in place")
-            if zlib.crc32(memoryview(out).cast("B")) != header.crc32:
-                raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
+            if checksum(memoryview(out).cast("B")) != header.crc32:
+                raise ProtocolError("frame body fails its CRC-32C checksum; it was corrupted in transit")
         else:
             if len(body) != header.encoded_length:
                 raise ProtocolError(
                     f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
                 )
-            if zlib.crc32(body) != header.crc32:
-                raise ProtocolError("frame body fails its crc32 checksum; it was corrupted in transit")
+            if checksum(body) != header.crc32:
+                raise ProtocolError("frame body fails its CRC-32C checksum; it was corrupted in transit")
             raw = self._compressor().decompress(body, raw_size(header.codec, n))
             if header.codec is Codec.NONE:
                 out[:] = np.frombuffer(raw, dtype=np.float32)
@@ -218,6 +235,18 @@ def subframe_bounds(start: int, stop: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
+def stored_length(elements: int, step: int) -> int:
+    """Bytes of ``elements`` fp32 values sent stored in sub-frames of at most ``step`` values."""
+    return HEADER_SIZE * -(-elements // step) + 4 * elements
+
+
+def stored_frame(values: np.ndarray) -> tuple[bytes, memoryview]:
+    """A stored codec-none frame of ``values`` as (header, body), the body a view of their memory: nothing
+    is copied, so ``values`` must not change until the frame is sent."""
+    body = memoryview(np.ascontiguousarray(values)).cast("B")
+    return pack_header(Codec.NONE, (values.size,), body.nbytes, body), body
+
+
 __all__ = [
     "HEADER_ELEMENTS",
     "HEADER_WEIGHT",
@@ -225,5 +254,7 @@ __all__ = [
     "Coder",
     "NonFinite",
     "read_part",
+    "stored_frame",
+    "stored_length",
     "subframe_bounds",
 ]
