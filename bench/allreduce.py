@@ -9,10 +9,14 @@ comparison is fair). For each vector size N and group size P the two run back to
   timed round lines the members up the way gloo's barrier does.
 
 A round's time is the slowest member's time for that round; the table shows the median over the timed
-rounds (after warm-up rounds). "wire MB" is the tensor bytes all members put on the loopback in one round
-(HTTP headers not counted; for gloo the ring's 2(P-1)/P·4N per member). "ready s" is the time from a
-crowdtrain member's process start to its peer server answering (interpreter and imports included).
-``BENCH_DEBUG=1`` prints each member's wall and CPU seconds and phases per round.
+rounds (after warm-up rounds). "cpu s" is the user + system CPU seconds of all members together in one
+round (median; the kernel's TCP copies included), the steadier figure on a shared machine: with four
+processes on two cores the wall time follows it. "wire MB" is the tensor bytes all members put on the
+loopback in one round (HTTP headers not counted; for gloo the ring's 2(P-1)/P·4N per member). "ready s" is
+the time from a crowdtrain member's process start to its peer server answering (interpreter and imports
+included).
+``BENCH_DEBUG=1`` prints each member's wall and CPU seconds, page faults and phases per round;
+``BENCH_ROUNDS=K`` times K rounds instead of the default for each size.
 
     .venv/bin/python bench/allreduce.py                  # the full table (several minutes on 2 cores)
     .venv/bin/python bench/allreduce.py --sizes 1M --groups 2 --codecs none,none@-1 --markdown
@@ -34,7 +38,7 @@ import time
 from pathlib import Path
 
 SIZES = {"1M": 1_000_000, "10M": 10_000_000, "25M": 25_000_000}
-ROUNDS = {1_000_000: (2, 9), 10_000_000: (1, 5), 25_000_000: (1, 3)}  # (warm-up, timed)
+ROUNDS = {1_000_000: (2, 9), 10_000_000: (2, 9), 25_000_000: (1, 5)}  # (warm-up, timed)
 HERE = Path(__file__).resolve()
 
 
@@ -47,6 +51,12 @@ def _wait_for(path: Path, timeout: float = 120.0) -> None:
         if time.time() > end:
             raise SystemExit(f"timed out waiting for {path}")
         time.sleep(0.01)
+
+
+def _cpu() -> float:
+    """User + system CPU seconds of this process, all threads (the kernel's TCP copies included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _write_atomic(path: Path, data: str) -> None:
@@ -64,15 +74,19 @@ def gloo_worker(args) -> None:
     )
     torch.manual_seed(args.rank)
     x = torch.randn(args.n)
-    times = []
+    times, cpus = [], []
     for _ in range(args.warmup + args.rounds):
         dist.barrier()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), _cpu()
         dist.all_reduce(x)
         times.append(time.perf_counter() - t)
+        cpus.append(_cpu() - cpu)
         x.div_(args.world)
     dist.destroy_process_group()
-    _write_atomic(Path(args.dir) / f"result{args.rank}.json", json.dumps({"times": times[args.warmup :]}))
+    w = args.warmup
+    _write_atomic(
+        Path(args.dir) / f"result{args.rank}.json", json.dumps({"times": times[w:], "cpu": cpus[w:]})
+    )
 
 
 def crowdtrain_worker(args) -> None:
@@ -113,12 +127,14 @@ def crowdtrain_worker(args) -> None:
         x = rng.standard_normal(args.n).astype(np.float32)
         sync = np.zeros(1, np.float32)
         out = np.empty_like(x)  # one result buffer for every round, as `crowdtrain join` does
-        times, sent, raw = [], [], []
+        times, cpus, sent, raw = [], [], [], []
         for a in assignments:
             await averager.allreduce(a, sync, 1.0, tag="sync")
-            t, cpu, ru = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            t, cpu, cpu0 = time.perf_counter(), time.process_time(), _cpu()
+            ru = resource.getrusage(resource.RUSAGE_SELF)
             result = await averager.allreduce(a, x, 1.0, tag="grad", out=out)
             times.append(time.perf_counter() - t)
+            cpus.append(_cpu() - cpu0)
             if os.environ.get("BENCH_DEBUG"):  # per member and round: wall, CPU of all threads, phases
                 cpu = time.process_time() - cpu
                 ru2 = resource.getrusage(resource.RUSAGE_SELF)
@@ -139,7 +155,9 @@ def crowdtrain_worker(args) -> None:
         w = args.warmup
         _write_atomic(
             Path(args.dir) / f"result{args.rank}.json",
-            json.dumps({"times": times[w:], "sent": sent[w:], "raw": raw[w:], "ready_s": ready}),
+            json.dumps(
+                {"times": times[w:], "cpu": cpus[w:], "sent": sent[w:], "raw": raw[w:], "ready_s": ready}
+            ),
         )
 
     from crowdtrain.commands.common import new_event_loop
@@ -176,7 +194,8 @@ def run_gloo(n: int, world: int) -> dict:
         results = _collect(procs, d, world)
     per_round = [max(r["times"][k] for r in results) for k in range(rounds)]
     wire = world * 2 * (world - 1) / world * 4 * n
-    return {"s": statistics.median(per_round), "wire": wire}
+    cpu = statistics.median(sum(r["cpu"][k] for r in results) for k in range(rounds))
+    return {"s": statistics.median(per_round), "wire": wire, "cpu": cpu}
 
 
 def run_crowdtrain(n: int, world: int, codec: str, level: int) -> dict:
@@ -235,6 +254,7 @@ def run_crowdtrain(n: int, world: int, codec: str, level: int) -> dict:
     raw = statistics.median(sum(r["raw"][k] for r in results) for k in range(rounds))
     return {
         "s": statistics.median(per_round),
+        "cpu": statistics.median(sum(r["cpu"][k] for r in results) for k in range(rounds)),
         "wire": wire,
         "raw": raw,
         "ready": max(r["ready_s"] for r in results),
@@ -263,42 +283,53 @@ def main() -> None:
     if args.worker == "crowdtrain":
         return crowdtrain_worker(args)
 
-    rows = []
+    rows = []  # (N, P, system, s/round, wire bytes, × gloo, CPU s/round, CPU × gloo, crowdtrain figures)
     for size in args.sizes.split(","):
         n = SIZES[size]
         for world in map(int, args.groups.split(",")):
             gloo = run_gloo(n, world)
-            rows.append((size, world, "gloo", gloo["s"], gloo["wire"], 1.0, None))
+            rows.append((size, world, "gloo", gloo["s"], gloo["wire"], 1.0, gloo["cpu"], 1.0, None))
             print(
-                f"{size:>4} P={world} gloo            {gloo['s'] * 1e3:9.1f} ms", file=sys.stderr, flush=True
+                f"{size:>4} P={world} gloo            {gloo['s'] * 1e3:9.1f} ms  cpu {gloo['cpu']:.3f} s",
+                file=sys.stderr,
+                flush=True,
             )
             for spec in args.codecs.split(","):
                 codec, _, level = spec.partition("@")  # "none@-1": codec none with zstd level -1
                 ct = run_crowdtrain(n, world, codec, int(level) if level else args.zstd_level)
                 label = f"crowdtrain {codec}" + (f" zstd {level}" if level else "")
-                rows.append((size, world, label, ct["s"], ct["wire"], ct["s"] / gloo["s"], ct))
+                ratio, cpu_ratio = ct["s"] / gloo["s"], ct["cpu"] / gloo["cpu"]
+                rows.append((size, world, label, ct["s"], ct["wire"], ratio, ct["cpu"], cpu_ratio, ct))
                 print(
-                    f"{size:>4} P={world} {label:<22} {ct['s'] * 1e3:9.1f} ms  x{ct['s'] / gloo['s']:.2f}"
-                    f"  wire/fp32 {ct['wire'] / ct['raw']:.3f}  ready {ct['ready']:.2f} s",
+                    f"{size:>4} P={world} {label:<22} {ct['s'] * 1e3:9.1f} ms  x{ratio:.2f}  cpu {ct['cpu']:.3f} s"
+                    f"  x{cpu_ratio:.2f}  wire/fp32 {ct['wire'] / ct['raw']:.3f}  ready {ct['ready']:.2f} s",
                     file=sys.stderr,
                     flush=True,
                 )
     if args.markdown:
-        print("| N | P | system | s/round (median) | wire MB/round | wire / fp32 | × gloo | ready s |")
-        print("|---|---|---|---|---|---|---|---|")
-        for size, world, label, s, wire, ratio, ct in rows:
+        print(
+            "| N | P | system | s/round (median) | wire MB/round | wire / fp32 | × gloo | CPU s/round "
+            "| CPU × gloo | ready s |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for size, world, label, s, wire, ratio, cpu, cpu_ratio, ct in rows:
             frac = f"{ct['wire'] / ct['raw']:.3f}" if ct else "1.000"
             ready = f"{ct['ready']:.2f}" if ct else ""
             print(
-                f"| {size} | {world} | {label} | {s:.3f} | {wire / 1e6:.1f} | {frac} | {ratio:.2f} | {ready} |"
+                f"| {size} | {world} | {label} | {s:.3f} | {wire / 1e6:.1f} | {frac} | {ratio:.2f} | {cpu:.3f} "
+                f"| {cpu_ratio:.2f} | {ready} |"
             )
     else:
         print(
             f"{'N':>4} {'P':>2} {'system':<23} {'s/round':>9} {'wire MB':>9} {'wire/fp32':>9} {'x gloo':>7}"
+            f" {'cpu s':>7} {'cpu x':>6}"
         )
-        for size, world, label, s, wire, ratio, ct in rows:
+        for size, world, label, s, wire, ratio, cpu, cpu_ratio, ct in rows:
             frac = ct["wire"] / ct["raw"] if ct else 1.0
-            print(f"{size:>4} {world:>2} {label:<23} {s:9.3f} {wire / 1e6:9.1f} {frac:9.3f} {ratio:7.2f}")
+            print(
+                f"{size:>4} {world:>2} {label:<23} {s:9.3f} {wire / 1e6:9.1f} {frac:9.3f} {ratio:7.2f}"
+                f" {cpu:7.3f} {cpu_ratio:6.2f}"
+            )
 
 
 if __name__ == "__main__":

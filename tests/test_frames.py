@@ -5,9 +5,9 @@ from __future__ import annotations
 import struct
 import zlib
 
-import crc32c
 import numpy as np
 import pytest
+import xxhash
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.frames import (
@@ -102,13 +102,13 @@ def test_raw_frame_from_error_feedback_decodes_to_what_the_sender_believes_it_se
 
 
 def _header_fields(frame: bytes) -> list:
-    return list(struct.unpack_from("<4sBBBB8QQQI4x", frame))
+    return list(struct.unpack_from("<4sBBBB8QQQQ", frame))
 
 
 def _with(frame: bytes, index: int, value) -> bytes:
     fields = _header_fields(frame)
     fields[index] = value
-    return struct.pack("<4sBBBB8QQQI4x", *fields) + frame[HEADER_SIZE:]
+    return struct.pack("<4sBBBB8QQQQ", *fields) + frame[HEADER_SIZE:]
 
 
 @pytest.fixture
@@ -130,14 +130,14 @@ def frame() -> bytes:
         (5, 2**23, LimitExceeded, "frame declares more than the limit of 16777216 elements"),
         (13, 7, ProtocolError, "frame declares 7 raw bytes but 12 values in codec fp16 need 24"),
         (14, 2**40, LimitExceeded, "frame body declares 1099511627776 bytes, more than the limit"),
-        (15, 0, ProtocolError, "fails its CRC-32C checksum"),
+        (15, 0, ProtocolError, "fails its XXH3-64 checksum"),
     ],
 )
 def test_tampered_header_fields_are_refused(frame, index, value, error, text):
     if index == 6:  # the third dimension of a 2-D frame
         fields = _header_fields(frame)
         fields[4 + 1 + 2] = value
-        tampered = struct.pack("<4sBBBB8QQQI4x", *fields) + frame[HEADER_SIZE:]
+        tampered = struct.pack("<4sBBBB8QQQQ", *fields) + frame[HEADER_SIZE:]
     else:
         tampered = _with(frame, index, value)
     with pytest.raises(error, match=text):
@@ -175,7 +175,7 @@ def test_limits_are_configurable():
 def test_magic_and_checksum_layout():
     frame = encode_frame(np.ones(3, np.float32), Codec.NONE, Compressor())
     assert frame[:4] == MAGIC
-    # CRC-32C (Castagnoli), not zlib's CRC-32: the published check value of b"123456789" is 0xE3069283
-    assert crc32c.crc32c(b"123456789") == 0xE3069283
-    assert struct.unpack_from("<I", frame, 88)[0] == crc32c.crc32c(frame[HEADER_SIZE:])
-    assert struct.unpack_from("<I", frame, 88)[0] != zlib.crc32(frame[HEADER_SIZE:])
+    # XXH3-64 with seed 0: its published value for the empty input is 0x2D06800538D394C2
+    assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
+    assert struct.unpack_from("<Q", frame, 88)[0] == xxhash.xxh3_64_intdigest(frame[HEADER_SIZE:])
+    assert struct.unpack_from("<I", frame, 88)[0] != zlib.crc32(frame[HEADER_SIZE:])  # not version 1's

@@ -8,9 +8,9 @@ import os
 import struct
 import tracemalloc
 
-import crc32c
 import numpy as np
 import pytest
+import xxhash
 import zstandard
 from crowdtrain.protocol import messages
 from crowdtrain.protocol.codecs import Codec, Compressor
@@ -27,7 +27,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-HEADER = struct.Struct("<4sBBBB8QQQI4x")
+HEADER = struct.Struct("<4sBBBB8QQQQ")
 LIMITS = Limits(max_frame_bytes=1 * MiB, max_elements=128 * 1024)
 
 
@@ -64,7 +64,7 @@ def with_crc(buf: bytes) -> bytes:
     if len(buf) < HEADER_SIZE:
         return buf
     fields = list(HEADER.unpack_from(buf))
-    fields[15] = crc32c.crc32c(buf[HEADER_SIZE:])
+    fields[15] = xxhash.xxh3_64_intdigest(buf[HEADER_SIZE:])
     return HEADER.pack(*fields) + buf[HEADER_SIZE:]
 
 

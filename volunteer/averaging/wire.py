@@ -97,15 +97,15 @@ class Coder:
         if body is None:
             if header.codec is not Codec.NONE or header.encoded_length != 4 * n:
                 raise ProtocolError("internal: only a stored codec-none body can be read in place")
-            if checksum(memoryview(out).cast("B")) != header.crc32:
-                raise ProtocolError("frame body fails its CRC-32C checksum; it was corrupted in transit")
+            if checksum(memoryview(out).cast("B")) != header.checksum:
+                raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
         else:
             if len(body) != header.encoded_length:
                 raise ProtocolError(
                     f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
                 )
-            if checksum(body) != header.crc32:
-                raise ProtocolError("frame body fails its CRC-32C checksum; it was corrupted in transit")
+            if checksum(body) != header.checksum:
+                raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
             raw = self._compressor().decompress(body, raw_size(header.codec, n))
             if header.codec is Codec.NONE:
                 out[:] = np.frombuffer(raw, dtype=np.float32)
