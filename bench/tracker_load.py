@@ -126,7 +126,7 @@ async def generate(
     url: str, token: str, server_pid: int, peers: int, seconds: float, conns: int
 ) -> list[dict]:
     from crowdtrain.protocol.credentials import SigningKey, issue_credential
-    from crowdtrain.protocol.messages import Heartbeat, JoinRequest, JoinResponse, encode
+    from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, JoinResponse, encode
     from crowdtrain.protocol.peerauth import sign_headers
     from crowdtrain.tracker.auth import sign_session_headers
     from crowdtrain.tracker.client import TrackerClient
@@ -151,7 +151,9 @@ async def generate(
 
             async def join(i: int) -> None:
                 async with sem:
-                    joined[i] = await c.join(run_id, JoinRequest(public_key=keys[i].public_hex))
+                    joined[i] = await c.join(
+                        run_id, JoinRequest(public_key=keys[i].public_hex, peer_protocol=PEER_PROTOCOL)
+                    )
 
             t0 = time.perf_counter()
             await asyncio.gather(*(join(i) for i in range(peers)))

@@ -27,6 +27,10 @@ from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 
 VERSION = 1
 Version = Literal[1]
+# What peers exchange directly (tensor frames, the all-reduce and state routes). Builds of different peer
+# protocols cannot average together, so the tracker admits only volunteers that speak its own. 2: frames
+# with XXH3-64 checksums and stored bodies (a build without ``peer_protocol`` in its JoinRequest speaks 1).
+PEER_PROTOCOL = 2
 CodecName = Literal["none", "fp16", "bf16", "int8"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -177,6 +181,7 @@ class JoinRequest(Message, kw_only=True):
     token: str | None = None
     device: str = "cpu"
     client_version: str = ""
+    peer_protocol: int = 1
 
 
 class JoinResponse(Message, kw_only=True):

@@ -27,6 +27,7 @@ from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, request_bytes, sign_assignment
 from crowdtrain.protocol.frames import encode_frame
 from crowdtrain.protocol.messages import (
+    PEER_PROTOCOL,
     Credential,
     GroupAssignment,
     GroupMember,
@@ -90,7 +91,9 @@ class World:
 
 async def join(client: TrackerClient, run_id: str, token: str | None = None) -> Member:
     key = SigningKey()
-    joined = await client.join(run_id, JoinRequest(public_key=key.public_hex, token=token))
+    joined = await client.join(
+        run_id, JoinRequest(public_key=key.public_hex, token=token, peer_protocol=PEER_PROTOCOL)
+    )
     return Member(key, joined.peer_id, joined.credential)
 
 
@@ -309,7 +312,9 @@ def signed_route(
 
 def join_private(token: str | None) -> Attack:
     async def attack(w: World) -> tuple[int, str]:
-        body = encode(JoinRequest(public_key=SigningKey().public_hex, token=token))
+        body = encode(
+            JoinRequest(public_key=SigningKey().public_hex, token=token, peer_protocol=PEER_PROTOCOL)
+        )
         return await call(
             w,
             "POST",

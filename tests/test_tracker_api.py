@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from crowdtrain.protocol.credentials import SigningKey, verify_credential
 from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
-from crowdtrain.protocol.messages import Heartbeat, JoinRequest, encode, replace
+from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
 from crowdtrain.protocol.peerauth import sign_headers
 from crowdtrain.tracker.auth import sign_session_headers
 from crowdtrain.tracker.client import TrackerClient
@@ -172,10 +172,30 @@ async def test_join_gives_a_credential_signed_by_the_tracker(admin, run_id, trac
 
 async def test_join_rejects_bad_public_key_and_address(admin, run_id):
     with pytest.raises(TrackerError, match="public_key must be 64 lowercase hex characters"):
-        await admin.join(run_id, JoinRequest(public_key="zz"))
+        await admin.join(run_id, JoinRequest(public_key="zz", peer_protocol=PEER_PROTOCOL))
     with pytest.raises(TrackerError) as info:
-        await admin.join(run_id, JoinRequest(public_key="ab" * 32, address="nohost"))
+        await admin.join(
+            run_id, JoinRequest(public_key="ab" * 32, address="nohost", peer_protocol=PEER_PROTOCOL)
+        )
     assert str(info.value) == "address 'nohost' must be host:port with a port between 1 and 65535"
+
+
+async def test_join_refuses_a_volunteer_of_another_peer_protocol_with_a_sentence(admin, run_id):
+    """A build whose frames the others cannot read (a JoinRequest without ``peer_protocol`` is from one) is
+    refused at the door instead of failing every round later."""
+    for theirs, client in ((1, ""), (PEER_PROTOCOL + 1, "9.9.9")):
+        with pytest.raises(TrackerError) as info:
+            await admin.join(
+                run_id,
+                JoinRequest(public_key="ab" * 32, client_version=client, peer_protocol=theirs),
+            )
+        assert info.value.status == 409
+        assert f"speaks peer protocol {theirs} but the peers of this tracker speak {PEER_PROTOCOL}" in str(
+            info.value
+        )
+        assert "install crowdtrain" in str(info.value)
+    status = await admin.status(run_id)
+    assert status.peers_online == 0
 
 
 async def test_private_run_checks_the_join_token(admin):
@@ -421,7 +441,9 @@ async def test_unreachable_tracker_says_to_check_the_url():
 )
 async def test_declared_addresses_are_validated(admin, run_id, address, message):
     with pytest.raises(TrackerError) as info:
-        await admin.join(run_id, JoinRequest(public_key="ab" * 32, address=address))
+        await admin.join(
+            run_id, JoinRequest(public_key="ab" * 32, address=address, peer_protocol=PEER_PROTOCOL)
+        )
     assert (info.value.status, str(info.value)) == (400, message)
 
 

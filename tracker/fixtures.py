@@ -15,6 +15,7 @@ from aiohttp import web
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.messages import (
+    PEER_PROTOCOL,
     AveragingSpec,
     ChunkInfo,
     DatasetManifest,
@@ -120,7 +121,10 @@ class SimVolunteer:
     async def join(self, address: str | None = None, token: str | None = None) -> JoinResponse:
         self.address = address
         self.joined = await self.client.join(
-            self.run_id, JoinRequest(public_key=self.key.public_hex, address=address, token=token)
+            self.run_id,
+            JoinRequest(
+                public_key=self.key.public_hex, address=address, token=token, peer_protocol=PEER_PROTOCOL
+            ),
         )
         return self.joined
 

@@ -41,6 +41,7 @@ from crowdtrain.protocol.limits import Limits
 from crowdtrain.protocol.messages import (
     HEX40,
     HEX64,
+    PEER_PROTOCOL,
     DatasetRegistration,
     ErrorBody,
     Heartbeat,
@@ -67,6 +68,8 @@ from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
 from crowdtrain.tracker.store import Store
 from crowdtrain.tracker.swarm import Swarms
+
+from crowdtrain import __version__
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -584,6 +587,13 @@ class Tracker:
             raise ApiError(400, "JoinRequest: public_key must be 64 lowercase hex characters (Ed25519)")
         if len(msg.device) > 100 or len(msg.client_version) > 100:
             raise ApiError(400, "JoinRequest: device and client_version must be at most 100 characters")
+        if msg.peer_protocol != PEER_PROTOCOL:
+            theirs = f" ({msg.client_version})" if msg.client_version else ""
+            raise ApiError(
+                409,
+                f"this volunteer's crowdtrain{theirs} speaks peer protocol {msg.peer_protocol} but the peers of "
+                f"this tracker speak {PEER_PROTOCOL}; install crowdtrain {__version__}, the tracker's version",
+            )
         if len(run.peers) >= self.config.max_peers_per_run:
             raise ApiError(503, f"run {run.run_id} has {len(run.peers)} peers, its limit; try again later")
         address = None if msg.address is None else parse_address(msg.address, request.remote)

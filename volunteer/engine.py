@@ -38,6 +38,7 @@ from crowdtrain.protocol.errors import (
     TrackerError,
 )
 from crowdtrain.protocol.messages import (
+    PEER_PROTOCOL,
     GroupAssignment,
     Heartbeat,
     HeartbeatReply,
@@ -186,7 +187,11 @@ class Volunteer:
             join = await tracker.join(
                 cfg.run_id,
                 JoinRequest(
-                    public_key=self.key.public_hex, token=cfg.token, device=device, client_version=__version__
+                    public_key=self.key.public_hex,
+                    token=cfg.token,
+                    device=device,
+                    client_version=__version__,
+                    peer_protocol=PEER_PROTOCOL,
                 ),
             )
             self.peer_id = join.peer_id

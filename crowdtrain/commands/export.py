@@ -19,7 +19,7 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
 
     from crowdtrain import __version__
     from crowdtrain.protocol.credentials import SigningKey
-    from crowdtrain.protocol.messages import JoinRequest, LeaveRequest
+    from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest
     from crowdtrain.tracker.client import TrackerClient
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.fetch import fetch_state
@@ -36,7 +36,13 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
         # Peers serve state only to run members, so the exporter joins in client mode and leaves again.
         join = await tracker.join(
             run_id,
-            JoinRequest(public_key=key.public_hex, token=token, device="cpu", client_version=__version__),
+            JoinRequest(
+                public_key=key.public_hex,
+                token=token,
+                device="cpu",
+                client_version=__version__,
+                peer_protocol=PEER_PROTOCOL,
+            ),
         )
         try:
             data = await fetch_state(
