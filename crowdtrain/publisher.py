@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
+from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import RunCreate, convert
-
-MAX_TORRENT_BYTES = 8 << 20
 
 
 def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], bytes]:

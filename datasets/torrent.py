@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import libtorrent as lt
 from crowdtrain.datasets.chunks import MANIFEST_NAME
 from crowdtrain.protocol.errors import ConfigError, DatasetError, ProtocolError
+from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import DatasetManifest, decode
 
 MIN_PIECE = 16 << 10
-MAX_TORRENT_BYTES = 8 << 20  # a .torrent larger than this is refused before parsing
 
 
 def piece_size_for(chunk_bytes: int) -> int:

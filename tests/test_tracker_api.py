@@ -11,8 +11,10 @@ import socket
 
 import aiohttp
 import pytest
+from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, verify_credential
 from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
+from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
 from crowdtrain.protocol.peerauth import sign_headers
 from crowdtrain.tracker.auth import sign_session_headers
@@ -123,6 +125,36 @@ async def test_create_refuses_bad_bodies(tracker, mutate, status, message):
     )
     assert got == status
     assert message in error_of(reply)
+
+
+async def test_a_torrent_of_the_largest_allowed_size_reaches_the_tracker_within_its_body_limit():
+    """MAX_TORRENT_BYTES is the bound everywhere (make, publish, register, download); a RunCreate carrying
+    one in base64 must fit the tracker's default request body, so it is judged on its merits (here: a
+    torrent of another data set), not refused as too large. One byte more is refused with a sentence
+    (by the tracker's torrent bound when its body limit is raised)."""
+    good = make_run_create()
+    pieces = b"\x01" * (20 * ((MAX_TORRENT_BYTES - 4096) // 20))  # piece hashes: nearly all of the bytes
+    info = {b"name": "big", b"length": len(pieces) // 20 * 16384, b"piece length": 16384, b"pieces": pieces}
+    big = bencode.encode({b"announce": "http://127.0.0.1/announce", b"info": info})
+    assert MAX_TORRENT_BYTES - 8192 < len(big) <= MAX_TORRENT_BYTES
+    too_big = big + b"x" * (MAX_TORRENT_BYTES + 1 - len(big))
+    for config, torrent, status, text in (
+        (TrackerConfig(), big, 400, f"RunCreate: dataset.infohash is {good.dataset.infohash}"),
+        (
+            TrackerConfig(max_body_bytes=8 << 20),
+            too_big,
+            400,
+            f"RunCreate: torrent is {MAX_TORRENT_BYTES + 1} bytes, more than the {MAX_TORRENT_BYTES} bytes",
+        ),
+    ):
+        async with (
+            serve(config) as tracker,
+            TrackerClient(tracker.url, admin_token=tracker.admin_token) as admin,
+        ):
+            with pytest.raises(TrackerError) as refused:
+                await admin.create_run(replace(good, torrent=base64.b64encode(torrent).decode()))
+        assert refused.value.status == status
+        assert str(refused.value).startswith(text)
 
 
 async def test_create_checks_the_torrent_against_the_info_hash(admin):

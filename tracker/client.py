@@ -7,6 +7,7 @@ to check ``--tracker``), :class:`TrackerError` with the server's sentence and HT
 from __future__ import annotations
 
 import asyncio
+import io
 import base64
 import hashlib
 from types import TracebackType
@@ -17,7 +18,7 @@ import aiohttp
 import msgspec
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
-from crowdtrain.protocol.limits import Limits
+from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     Credential,
     DatasetRegistration,
@@ -45,7 +46,7 @@ from crowdtrain.tracker.auth import sign_session_headers
 
 M = TypeVar("M", bound=Message)
 API = "/api/v1"
-MAX_TORRENT_BYTES = 64 << 20
+_STREAM_ABOVE = 1 << 20
 
 
 class TrackerClient:
@@ -105,8 +106,11 @@ class TrackerClient:
             all_headers["Content-Type"] = "application/json"
         try:
             async with asyncio.timeout(timeout):
+                # a body over 1 MiB (a run with a large torrent) is streamed from a file-like object, which
+                # aiohttp reads off the event loop; raw bytes that large make it warn that the loop may stall
+                data = io.BytesIO(body) if body is not None and len(body) > _STREAM_ABOVE else body
                 async with self._session.request(
-                    method, self.url + path, data=body, headers=all_headers, allow_redirects=False
+                    method, self.url + path, data=data, headers=all_headers, allow_redirects=False
                 ) as resp:
                     if resp.content_length is not None and resp.content_length > limit:
                         raise TrackerError(

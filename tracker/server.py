@@ -37,7 +37,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, CrowdtrainError, LimitExceeded, ProtocolError
-from crowdtrain.protocol.limits import Limits
+from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     HEX40,
     HEX64,
@@ -511,6 +511,11 @@ class Tracker:
             torrent = base64.b64decode(msg.torrent, validate=True)
         except (binascii.Error, ValueError):
             raise bad("torrent", "is not valid base64") from None
+        if len(torrent) > MAX_TORRENT_BYTES:
+            raise bad(
+                "torrent",
+                f"is {len(torrent)} bytes, more than the {MAX_TORRENT_BYTES} bytes a data set torrent may have",
+            )
         try:
             infohash = bencode.infohash_v1(torrent)
         except ProtocolError as exc:
