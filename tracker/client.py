@@ -7,9 +7,9 @@ to check ``--tracker``), :class:`TrackerError` with the server's sentence and HT
 from __future__ import annotations
 
 import asyncio
-import io
 import base64
 import hashlib
+import io
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
