@@ -195,7 +195,7 @@ def test_error_feedback_running_sum_converges_to_the_inputs(codec):
     for _ in range(steps):
         x = (rng.standard_normal(3000) * 1e-3 + 3e-4).astype(np.float32)
         raw, sent = ef.transform(x)
-        assert np.array_equal(untransform(raw, codec, x.size), sent)
+        assert untransform(raw, codec, x.size).tobytes() == sent.tobytes()  # bit for bit, zeros' signs too
         sent_sum += sent
         input_sum += x
         plain_sum += untransform(transform(x, codec), codec, x.size)
@@ -205,6 +205,43 @@ def test_error_feedback_running_sum_converges_to_the_inputs(codec):
     one_step = np.abs(x - untransform(transform(x, codec), codec, x.size)).max()
     assert gap <= 4 * one_step + 1e-7
     assert gap < np.abs(plain_sum - input_sum).max() or codec is Codec.FP16
+
+
+def _int8_reference(x: np.ndarray) -> bytes:
+    """The int8 payload written the plain way (|x|, max, divide, round, clip, cast), to pin the fast one."""
+    n = x.size
+    blocks = -(-n // INT8_BLOCK)
+    view = np.zeros(blocks * INT8_BLOCK, np.float32)
+    view[:n] = x
+    view = view.reshape(blocks, INT8_BLOCK)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        scales = np.abs(view).max(axis=1) / np.float32(127.0)
+        scales[~np.isfinite(scales)] = np.nan
+        safe = np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32)
+        q = np.clip(np.rint(view / safe[:, None]), -127, 127)
+        q = np.nan_to_num(q, nan=0.0).astype(np.int8)
+    return scales.astype(np.float32).tobytes() + q.reshape(-1)[:n].tobytes()
+
+
+@pytest.mark.parametrize("n", [1, 5, INT8_BLOCK - 1, INT8_BLOCK, INT8_BLOCK + 1, 3 * INT8_BLOCK + 17])
+def test_int8_payload_and_decoded_values_are_bit_for_bit_the_plain_computation(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * 1e3).astype(np.float32)
+    cases = [x, np.zeros(n, np.float32), np.full(n, -0.0, np.float32), np.full(n, np.float32(-3.4e38))]
+    cases.append((rng.standard_normal(n) * 1e-42).astype(np.float32))  # subnormal
+    for fill, step in ((np.nan, 13), (np.inf, 11), (-np.inf, 7), (-0.0, 5), (0.0, 3)):
+        y = x.copy()
+        y[::step] = fill
+        cases.append(y)
+    for case in cases:
+        raw = transform(case, Codec.INT8)
+        assert raw == _int8_reference(case)
+        ef = ErrorFeedback(Codec.INT8)
+        raw_ef, sent = ef.transform(case)
+        assert raw_ef == raw
+        decoded = untransform(raw, Codec.INT8, n)
+        assert np.array_equal(decoded, sent, equal_nan=True)
+        assert np.array_equal(np.signbit(decoded), np.signbit(sent))
 
 
 def test_error_feedback_drops_non_finite_residuals_and_resets():
