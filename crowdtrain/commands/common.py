@@ -28,8 +28,8 @@ async def _cancel_on_sigterm(coro: Coroutine[Any, Any, T]) -> T:
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's event loop where it is installed (Linux and macOS), else asyncio's.
 
-    uvloop's transports are C: an all-reduce round of 10M values in a group of 4 takes ~15 % less CPU, and
-    aiohttp can hand it a frame's pieces without joining them (see docs/benchmarks.md). ``CROWDTRAIN_LOOP=
+    uvloop's transports are C, so a peer spends less CPU per socket read and write, which is most of what
+    an all-reduce round does besides copying (see docs/benchmarks.md, "All-reduce"). ``CROWDTRAIN_LOOP=
     asyncio`` chooses asyncio's own loop, e.g. to rule uvloop out when chasing a bug.
     """
     if os.environ.get("CROWDTRAIN_LOOP", "").lower() != "asyncio":

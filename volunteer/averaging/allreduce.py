@@ -21,7 +21,8 @@ Wire: the request carries the peer headers of :mod:`crowdtrain.protocol.peerauth
 (``"allreduce"``, round key, part, weight, values), plus ``X-Crowdtrain-Weight`` (samples, ≤ the weight
 in the assignment) and ``X-Crowdtrain-Elements`` (the part's length, or 0 from a weight-0 member when
 some member has a weight: it only wants the result). Body and answer are streams of tensor frames of at
-most ``subframe_elements`` values each. Answers other than 200 are ``{"error": "<sentence>"}``:
+most ``subframe_elements`` values each: stored fp32 with a ``Content-Length`` when the part is dense and the
+codec is none (sent straight from memory), else chunked (zstd, lossy codecs). Answers other than 200 are ``{"error": "<sentence>"}``:
 
 ====  =======================================================================================
 400   malformed path, headers or frames (bad shape, codec, sizes, checksum, extra bytes)

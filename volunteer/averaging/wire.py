@@ -7,7 +7,9 @@ once, straight to where they belong (a stored codec-none body into the destinati
 is decoded in a thread while the next one arrives.
 
 Codec none skips zstd when it does not pay (``AveragingConfig.zstd_min_gain``): the body is then the
-fp32 bytes as they are, which the frame header shows by an encoded length equal to the raw length.
+fp32 bytes as they are, which the frame header shows by an encoded length equal to the raw length. A whole
+part judged dense (:meth:`Coder.stores`) is sent as such stored frames with a known length
+(:func:`stored_length`), each body a view of the sender's values (:func:`stored_frame`).
 """
 
 from __future__ import annotations
