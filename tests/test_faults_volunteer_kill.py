@@ -21,8 +21,10 @@ from tests.harness import published_run
 
 ROUND_TIMEOUT_S = 5.0
 STEPS_AFTER_KILL = 5
-# Big enough that a round lasts long enough (a few 100 ms) for the signal to land in its middle.
-MODEL = {"recipe": "tiny-gpt", "args": {"d_model": 256, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+# Big enough that a round lasts long enough (a few 100 ms: ~15M parameters, 60 MB of gradient) for the
+# signal to land in its middle; with 1.7M parameters a round took 34 ms once the all-reduce got faster, and
+# the kill landed after it.
+MODEL = {"recipe": "tiny-gpt", "args": {"d_model": 768, "n_layer": 2, "n_head": 4, "seq_len": 32}}
 
 
 @pytest.mark.slow
