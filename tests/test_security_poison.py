@@ -35,6 +35,7 @@ from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.snapshot import Snapshot
 
+from tests.faults import until
 from tests.harness import published_run
 
 STEPS = 16
@@ -218,7 +219,9 @@ class LyingDonor(Volunteer):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_one(tmp_path):
-    late_at, steps = 6, 24  # room for a retry after the ban on a loaded machine
+    # The run goes on until the newcomer has caught up and stepped twice with the others (bounded by time,
+    # not by a step count: rounds got fast enough that 24 steps ended before a retried catch-up once).
+    late_at, steps = 6, 400
     model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
     state = StateConfig(range_bytes=64 * 1024)
     seen: list[ev.Event] = []
@@ -249,7 +252,20 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
         tasks = [asyncio.create_task(v.run()) for v in early]
         await asyncio.wait_for(reached.wait(), 120)
         late = make(Volunteer, "newcomer", 2, emit=seen.append)
-        summaries = await asyncio.wait_for(asyncio.gather(*tasks, late.run()), 240)
+        tasks.append(asyncio.create_task(late.run()))
+        try:
+            await until(
+                lambda: (
+                    late.summary.caught_up_to is not None
+                    and min(early[0].step, late.step) >= late.summary.caught_up_to + 3
+                ),
+                200,
+                "the newcomer catching up and stepping with the others",
+            )
+        finally:
+            for v in (*early, late):
+                v.stop()
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     honest, liar = early
     banned = [e for e in seen if isinstance(e, ev.DonorBanned)]
