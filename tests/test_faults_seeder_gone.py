@@ -98,6 +98,10 @@ async def test_only_seeder_killed_halfway_volunteers_finish_the_data_set_from_ea
                 lambda: all(len(held(v)) == total for v in vols), 90, "every volunteer holding every chunk"
             )
             finished_at = time.time()
+            # a newcomer that got every chunk within its first second of training has not reported it yet
+            await until(
+                lambda: all(v.of(ev.LocalTraining) for v in vols), 30, "every volunteer reporting training"
+            )
         finally:
             await seeder.close()
             for v in vols:
