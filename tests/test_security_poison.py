@@ -87,9 +87,9 @@ class Hostile(Volunteer):
                 weight *= 50
             return await allreduce(assignment, vector, weight, tag=tag, **kw)
 
-        def lenient_prepare(a, vector, weight, tag):  # let the inflated weight past its own check
+        def lenient_prepare(a, vector, weight, tag, out=None):  # let the inflated weight past its own check
             me = next(m for m in a.members if m.peer_id == self.peer_id)
-            return prepare(a, vector, min(weight, float(me.weight)), tag)
+            return prepare(a, vector, min(weight, float(me.weight)), tag, out)
 
         async def twice(rnd, owner, vector, weight, tag, output, failed):
             if tag == "grad" and self.mode() == "twice":

@@ -207,20 +207,12 @@ class Averager:
         """
         started = time.perf_counter()
         try:
-            rnd = self._prepare(assignment, vector, weight, tag)
-            if out is not None and (
-                out.dtype != np.float32 or out.shape != vector.shape or np.shares_memory(out, vector)
-            ):
-                raise AveragingError(
-                    f"out must be flat float32 of {vector.size} values apart from the vector, got {out.dtype} "
-                    f"with shape {out.shape}"
-                )
+            rnd = self._prepare(assignment, vector, weight, tag, out)
         except AveragingError as exc:
             self.emit(RoundFailed(round_id=assignment.round_id, step=assignment.step, reason=str(exc)))
             raise
-        # every value of ``output`` is written: the reduced part, a decoded answer, or my own for a failed part
-        output = np.empty_like(vector) if out is None else out
-        rnd.output = output
+        output = rnd.output
+        assert output is not None
         failed: dict[int, str] = {}
         self._rounds[rnd.key] = rnd
         await self._announce()
@@ -250,7 +242,9 @@ class Averager:
 
     # ------------------------------------------------------------------ round set-up
 
-    def _prepare(self, a: GroupAssignment, vector: np.ndarray, weight: float, tag: str) -> _Round:
+    def _prepare(
+        self, a: GroupAssignment, vector: np.ndarray, weight: float, tag: str, out: np.ndarray | None = None
+    ) -> _Round:
         try:
             verify_assignment(a, self.tracker_public_key)
         except AuthError as exc:
@@ -289,6 +283,13 @@ class Averager:
             raise AveragingError(f"vector must be flat float32, got {vector.dtype} with shape {vector.shape}")
         if vector.size > self.config.max_vector_elements:
             raise AveragingError(f"vector has {vector.size} values, above max_vector_elements")
+        if out is not None and (
+            out.dtype != np.float32 or out.shape != vector.shape or np.shares_memory(out, vector)
+        ):
+            raise AveragingError(
+                f"out must be flat float32 of {vector.size} values apart from the vector, got {out.dtype} "
+                f"with shape {out.shape}"
+            )
         if not (math.isfinite(weight) and 0 <= weight <= me.weight):
             raise AveragingError(f"weight {weight} must be between 0 and the assigned {me.weight} samples")
         if time.time() >= a.deadline:
@@ -302,6 +303,8 @@ class Averager:
         bounds = part_bounds(vector.size, a.parts)
         uniform = all(m.weight == 0 for m in a.members)
         rnd = _Round(key, a, members, bounds, me.part, a.deadline, uniform, tag, None)
+        # every value of the output is written: the reduced part, a decoded answer, or my own for a failed part
+        rnd.output = np.empty_like(vector) if out is None else out
         if me.part >= 0 and bounds[me.part][1] > bounds[me.part][0]:  # an empty part needs no owner
             start, stop = bounds[me.part]
             rnd.reducer = PartReducer(
