@@ -24,9 +24,10 @@ import logging
 import os
 import random
 import secrets
+import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import libtorrent as lt
@@ -52,9 +53,14 @@ class ChunkReady:
     total: int = 0  # chunks in the data set
 
 
+def listen_address(host: str, port: int) -> str:
+    """``host:port`` for listening, with an IPv6 host in brackets (``[::]:6881``)."""
+    return f"[{host.strip('[]')}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class SessionConfig:
-    listen: str = "127.0.0.1:0"  # host:port; port 0 = any free port
+    listen: str = "0.0.0.0:0"  # host:port; every interface by default, as BitTorrent clients do; port 0 = any
     upload_rate_limit: int = 0  # bytes/s for the whole session, 0 = unlimited
     download_rate_limit: int = 0
     limit_local_peers: bool = True  # apply the rate limits to peers on loopback/LAN too
@@ -256,7 +262,14 @@ class TorrentSession:
 
     async def start(self) -> TorrentSession:
         if self._ses is None:
-            self._ses = await asyncio.to_thread(lt.session, _settings(self.config, self.fingerprint))
+            config = self.config
+            host, _, port = config.listen.rpartition(":")
+            if port == "0":
+                # libtorrent opens one socket per interface for a wildcard host, and with port 0 each gets
+                # its own port, so peers and the tracker would see a port other than the one announced on
+                # their interface: take one free port for all of them
+                config = replace(config, listen=f"{host}:{_free_port(host)}")
+            self._ses = await asyncio.to_thread(lt.session, _settings(config, self.fingerprint))
             self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="libtorrent-alerts")
             self._pump.add_done_callback(self._pump_done)
         return self
@@ -504,7 +517,13 @@ class TorrentSession:
             log.error("%s: %s", dl.manifest.name, dl.error)
             dl._checked.set()
         elif isinstance(alert, lt.tracker_error_alert):
-            log.warning("tracker: %s", alert.message())
+            if "skipping tracker announce" in alert.message():
+                # listening on every interface, libtorrent has a socket per interface and announces from
+                # each that can reach the tracker; the others (loopback, for a tracker on the network)
+                # report this, which is expected and not a failure
+                log.debug("tracker: %s", alert.message())
+            else:
+                log.warning("tracker: %s", alert.message())
 
     async def _verify(self, dl: Download, indices: set[int]) -> None:
         """Hash the given complete files against the manifest; announce each that matches."""
@@ -577,6 +596,14 @@ class TorrentSession:
                 tmp = path.with_suffix(".tmp")
                 await asyncio.to_thread(tmp.write_bytes, data)
                 await asyncio.to_thread(os.replace, tmp, path)
+
+
+def _free_port(host: str) -> int:
+    """A TCP port free on ``host`` (every interface for a wildcard host), as the kernel picks one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
 
 
 def _resume_params(data_dir: Path, infohash: str) -> lt.add_torrent_params:

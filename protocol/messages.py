@@ -177,7 +177,9 @@ class Credential(Message, kw_only=True):
 class JoinRequest(Message, kw_only=True):
     version: Version = VERSION
     public_key: str
-    address: str | None = None  # "host:port" of the peer server; None = client mode (behind NAT)
+    # "host:port" of the peer server; ":port" = "at the address you see this request come from" (the
+    # default, as BitTorrent trackers do); None = client mode (behind NAT)
+    address: str | None = None
     token: str | None = None
     device: str = "cpu"
     client_version: str = ""
@@ -194,6 +196,8 @@ class JoinResponse(Message, kw_only=True):
     # hex HMAC key for the peer's requests to the tracker (cheaper than an Ed25519 signature per heartbeat);
     # only the tracker and this peer know it. None: sign tracker requests with the Ed25519 key.
     session_key: str | None = None
+    # where the tracker saw this request come from: the host a ":port" address stands for
+    observed_host: str | None = None
 
 
 class StateVersion(Message, kw_only=True):
@@ -208,9 +212,10 @@ class Heartbeat(Message, kw_only=True):
     step: int  # the global step this peer is accumulating for
     samples: int  # samples accumulated toward ``step``
     samples_per_s: float
-    address: str | None = None
+    address: str | None = None  # as in JoinRequest
     chunks_held: int = 0
     loss: float | None = None
+    bt_port: int | None = None  # the port its BitTorrent session listens on (the tracker checks it)
 
 
 class HeartbeatReply(Message, kw_only=True):
@@ -223,6 +228,20 @@ class HeartbeatReply(Message, kw_only=True):
     eta_s: float | None
     step_closed: bool  # the target of ``global_step`` is reached; peers should say "ready"
     reachable: bool  # the tracker could connect to this peer's declared address
+    address: str | None = None  # the address the tracker reaches this peer at (None: client mode)
+    checked: bool = False  # a reachability check of ``address`` finished (``reachable`` is its answer)
+    bt_address: str | None = None  # where the tracker tried this peer's BitTorrent port
+    bt_reachable: bool | None = None  # None: not checked (yet)
+    notice: str | None = None  # a run-wide problem, in one sentence, e.g. no reachable volunteer
+
+
+class StepWatch(Message, kw_only=True):
+    """The answer to ``GET .../step?step=N`` (a long-poll): returned as soon as step N closed or the run
+    moved past it, so every volunteer hears of a close within a round trip, not a heartbeat interval."""
+
+    version: Version = VERSION
+    global_step: int
+    step_closed: bool  # the target of ``global_step`` is reached
 
 
 class LeaveRequest(Message, kw_only=True):
@@ -262,9 +281,11 @@ class GroupAssignment(Message, kw_only=True):
 
 class ReadyReply(Message, kw_only=True):
     version: Version = VERSION
-    status: Literal["group", "wait", "missed"]
+    status: Literal["group", "wait", "missed", "open"]
     # group: ``assignment`` is yours. wait: the step is not closed yet, call again.
     # missed: the step closed without you; keep your accumulation and carry it into ``global_step``.
+    # open: no group could be formed (no reachable peer was ready); the step is open again: keep
+    # accumulating and call again when a heartbeat says it closed.
     global_step: int
     assignment: GroupAssignment | None = None
     retry_after_s: float = 0.0
@@ -312,6 +333,9 @@ class PeerStatus(Message, kw_only=True):
     client_mode: bool
     chunks_held: int
     loss: float | None = None
+    address: str | None = None  # where the tracker reaches its peer server; None: client mode
+    reachable: bool = False  # the tracker's last check of ``address`` answered
+    bt_reachable: bool | None = None  # its BitTorrent port accepted a connection; None: not checked
 
 
 class StepRecord(Message, kw_only=True):
@@ -336,6 +360,7 @@ class RunStatus(Message, kw_only=True):
     samples_per_s: float
     peers: list[PeerStatus]
     recent_steps: list[StepRecord]
+    notice: str | None = None  # a run-wide problem, in one sentence (as in HeartbeatReply)
 
 
 class ErrorBody(Message, kw_only=True):

@@ -221,7 +221,7 @@ async def test_cli_seed_registers_with_the_tracker_and_serves_a_downloader(tmp_p
         torrent = find_torrent(src).read_bytes()
         proc = await asyncio.create_subprocess_exec(
             python, "-m", "crowdtrain", "dataset", "seed", str(src), "--tracker", tracker.url,
-            "--admin-token", tracker.admin_token, "--listen", "127.0.0.1:0", "--json",
+            "--admin-token", tracker.admin_token, "--host", "127.0.0.1", "--json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env,
         )  # fmt: skip
         try:
@@ -239,6 +239,45 @@ async def test_cli_seed_registers_with_the_tracker_and_serves_a_downloader(tmp_p
                 _, err = await proc.communicate()
         assert proc.returncode == 130, err.decode()
     await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("open_tracker", [False, True])
+async def test_cli_seed_without_the_admin_token_needs_a_tracker_that_serves_the_data_set(
+    tmp_path, python, cli_env, open_tracker
+):
+    """Without --admin-token nothing is registered: the seeder asks the tracker (a scrape) whether it serves
+    the info-hash already; a tracker that does not is named with what to do, an --open one is fine."""
+    import signal
+    import subprocess
+
+    env = {k: v for k, v in cli_env.items() if k != "CROWDTRAIN_ADMIN_TOKEN"}
+    async with serve(TrackerConfig(open=open_tracker)) as tracker:
+        src = tmp_path / "published"
+        await asyncio.to_thread(
+            make_dataset, "builtin:stdlib", src, chunk_bytes=64 * KiB, max_bytes=128 * KiB,
+            announce_url=tracker.announce_url,
+        )  # fmt: skip
+        args = [python, "-m", "crowdtrain", "dataset", "seed", str(src), "--tracker", tracker.url, "--json"]
+        # a thread-made process: asyncio's child watcher lost this one when it exited on its own (rc 255)
+        proc = await asyncio.to_thread(
+            subprocess.Popen,
+            [*args, "--host", "127.0.0.1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        try:
+            first = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), WAIT_S)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            _, err = await asyncio.to_thread(proc.communicate, timeout=WAIT_S)
+    if open_tracker:
+        assert b'"Seeding"' in first and proc.returncode == 130, err.decode()
+    else:
+        assert first == b"" and proc.returncode == 1, err.decode()
+        assert "does not serve data set 'python-stdlib'" in err.decode()
+        assert "pass --admin-token to register it" in err.decode()
 
 
 async def test_a_bep19_web_seed_alone_serves_the_whole_data_set(tmp_path):

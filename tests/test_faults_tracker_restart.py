@@ -198,15 +198,20 @@ async def test_restarted_tracker_does_not_group_the_first_peer_back_alone(tmp_pa
     async with serve(config) as first, TrackerClient(first.url, admin_token=first.admin_token) as client:
         run_id = (await client.create_run(make_run_create("restart", target_batch_size=10))).run_id
         a, b = SimVolunteer(client, run_id), SimVolunteer(client, run_id)
-        await a.join()
-        await b.join()
-    async with serve(config) as second, TrackerClient(second.url) as client:
-        a.client = b.client = client
-        assert not (await a.heartbeat(0, 20)).step_closed  # above the target alone, but b is not back yet
-        ready_a = asyncio.create_task(a.ready(0, 20))
-        await b.heartbeat(0, 5)
-        ready_b = asyncio.create_task(b.ready(0, 5))
-        got_a, got_b = await asyncio.wait_for(asyncio.gather(ready_a, ready_b), 30)
+        for v in (a, b):
+            await v.serve()  # reachable: a round needs a part owner
+            await v.join()
+    try:
+        async with serve(config) as second, TrackerClient(second.url) as client:
+            a.client = b.client = client
+            assert not (await a.heartbeat(0, 20)).step_closed  # above the target alone, b is not back yet
+            ready_a = asyncio.create_task(a.ready(0, 20))
+            await b.heartbeat(0, 5)
+            ready_b = asyncio.create_task(b.ready(0, 5))
+            got_a, got_b = await asyncio.wait_for(asyncio.gather(ready_a, ready_b), 30)
+    finally:
+        await a.close()
+        await b.close()
     assert got_a.status == got_b.status == "group"
     assert got_a.assignment == got_b.assignment
     assert {m.peer_id for m in got_a.assignment.members} == {a.peer_id, b.peer_id}

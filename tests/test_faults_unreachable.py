@@ -20,8 +20,11 @@ from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outco
 from tests.harness import published_run
 
 STEPS = 8
-# 127.0.0.0/8 is loopback, but the peer servers listen on 127.0.0.1 only: 127.0.0.3 refuses connections.
-UNREACHABLE = {"advertise": {"advertise_host": "127.0.0.3"}, "client-mode": {"client_mode": True}}
+# 127.0.0.0/8 is loopback, but this peer server listens on 127.0.0.1 only: 127.0.0.3 refuses connections.
+UNREACHABLE = {
+    "advertise": {"host": "127.0.0.1", "advertise": "127.0.0.3"},
+    "client-mode": {"client_mode": True},
+}
 
 
 @pytest.mark.slow
@@ -89,7 +92,8 @@ async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_oth
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_join_process_advertising_an_unreachable_address_steps_as_a_client(tmp_path):
-    """The same through the CLI: ``crowdtrain join --advertise 127.0.0.3`` as a process of its own."""
+    """The same through the CLI: ``crowdtrain join --host 127.0.0.1 --advertise 127.0.0.3`` as a process of
+    its own (it listens on 127.0.0.1 only, so the advertised address refuses connections)."""
     seen: list[list[ev.Event]] = [[], []]
     async with published_run(tmp_path, target_batch_size=96, averaging={"clip_multiple": 0.0}) as run:
         vols = []
@@ -111,7 +115,7 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
             run.spec.run_id,
             run.tracker.url,
             tmp_path / "hidden",
-            extra=["--advertise", "127.0.0.3"],
+            extra=["--host", "127.0.0.1", "--advertise", "127.0.0.3"],
         )
         try:
             await hidden.wait_for(lambda e: len(hidden.of(ev.StepDone)) >= 4, 120)

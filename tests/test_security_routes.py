@@ -338,6 +338,10 @@ TRACKER_PUBLIC = {
     ("GET", "/api/v1/runs/{run_id}"): "the spec carries the tracker's public key volunteers verify with",
     ("GET", "/api/v1/runs/{run_id}/torrent"): "the data set's torrent is public (any BitTorrent client)",
     ("GET", "/api/v1/runs/{run_id}/status"): "progress of the run, shown by `crowdtrain status`",
+    (
+        "GET",
+        "/api/v1/runs/{run_id}/step",
+    ): "a long-poll for a step's close: the global step and one flag, public",
     ("GET", "/api/v1/runs/{run_id}/state/donors"): "donor addresses; every state request is signed anyway",
 }
 

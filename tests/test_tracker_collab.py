@@ -8,6 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 from crowdtrain.protocol.credentials import verify_assignment
+from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec
 from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
@@ -32,10 +33,27 @@ async def new_run(client, target=100, **averaging):
     return (await client.create_run(spec)).run_id
 
 
-async def joined(client, run_id, n):
+_serving: list[SimVolunteer] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_ping_servers():
+    yield
+    while _serving:
+        await _serving.pop().close()
+
+
+async def joined(client, run_id, n, *, reachable=True):
+    """n joined peers; reachable ones answer the tracker's check (and are verified before this returns)."""
     peers = [SimVolunteer(client, run_id) for _ in range(n)]
     for v in peers:
+        if reachable:
+            _serving.append(v)
+            await v.serve()
         await v.join()
+    if reachable:
+        for v in peers:
+            await v.wait_reachable()
     return peers
 
 
@@ -55,8 +73,9 @@ async def test_step_closes_at_the_target_and_ready_peers_get_signed_groups(track
     assert sorted((m.peer_id, m.weight) for m in a.members) == sorted(
         (v.peer_id, 10 + i) for i, v in enumerate(peers)
     )
-    assert all(m.part == -1 and m.address is None for m in a.members)  # all client mode
-    assert a.parts == 0
+    assert sorted(m.part for m in a.members) == [0, 1, 2]  # all reachable: each owns a part
+    assert all(m.address.startswith("127.0.0.1:") for m in a.members)  # ":PORT" at the host it came from
+    assert a.parts == 3
     assert a.average_params is True  # (0 + 1) % 1 == 0
     status = await client.status(run_id)
     assert status.global_step == 1
@@ -161,16 +180,11 @@ async def test_reachable_peers_own_parts_and_are_spread_over_groups(client):
             await v.join(address=s.address)
             s.peer_id = v.peer_id
         for v in reachable:
-            for _ in range(200):
-                if (await v.heartbeat(0, 1)).reachable:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                pytest.fail("a reachable peer was never verified")
-        others = await joined(client, run_id, 6)
-        for v in others:
-            await v.heartbeat(0, 1)
+            await v.wait_reachable()
+        others = await joined(client, run_id, 6, reachable=False)
         everyone = reachable + others
+        for v in everyone:
+            await v.heartbeat(0, 1)
         replies = await asyncio.gather(*(v.ready(0, 1) for v in everyone))
     finally:
         for s in servers:
@@ -220,3 +234,59 @@ async def test_shutdown_answers_waiting_long_polls_instead_of_hanging():
     reply = await waiting
     assert (reply.status, reply.global_step) == ("wait", 0)
     await c.close()
+
+
+async def test_step_watch_answers_within_a_round_trip_of_the_close(client):
+    """Regression: volunteers heard of a close only at their next heartbeat (2 s), after the round had
+    formed without them. A watch of the step now answers as soon as it closes."""
+    run_id = await new_run(client, target=20, gather_s=5.0)
+    a, b = await joined(client, run_id, 2)
+    await a.heartbeat(0, 10)
+    watch = asyncio.create_task(client.watch_step(run_id, 0, wait_s=20))
+    await asyncio.sleep(0.05)
+    assert not watch.done()  # the step is open: the watch waits
+    await b.heartbeat(0, 10)  # the target is reached: the step closes
+    answer = await asyncio.wait_for(watch, 2)
+    assert (answer.global_step, answer.step_closed) == (0, True)
+    await asyncio.gather(a.ready(0, 10), b.ready(0, 10))
+    answer = await client.watch_step(run_id, 0, wait_s=20)  # a step the run passed: at once
+    assert (answer.global_step, answer.step_closed) == (1, False)
+    with pytest.raises(TrackerError, match="step must be a whole number"):
+        await client._request("GET", f"/api/v1/runs/{run_id}/step?step=x")
+
+
+async def test_a_run_with_no_reachable_peer_closes_no_step_and_says_why(client):
+    run_id = await new_run(client, target=20, gather_s=0.2)
+    a, b = await joined(client, run_id, 2, reachable=False)  # both in client mode
+    await a.heartbeat(0, 15)
+    reply = await b.heartbeat(0, 15)  # 30 samples: above the target
+    assert (reply.step_closed, reply.global_step) == (False, 0)
+    assert reply.notice is not None and "no reachable volunteer" in reply.notice
+    assert (await a.ready(0, 15, wait_s=0.3)).status == "wait"  # nothing forms
+    status = await client.status(run_id)
+    assert status.global_step == 0 and status.notice == reply.notice and not status.recent_steps
+    # a reachable volunteer arrives: the next heartbeat closes the step, the notice is gone
+    [c] = await joined(client, run_id, 1)
+    reply = await c.heartbeat(0, 1)
+    assert reply.step_closed and reply.notice is None
+    replies = await asyncio.gather(a.ready(0, 15), b.ready(0, 15), c.ready(0, 1))
+    assert [r.status for r in replies] == ["group"] * 3
+    [owner] = [m for m in replies[0].assignment.members if m.part >= 0]
+    assert owner.peer_id == c.peer_id
+
+
+async def test_a_round_whose_part_owner_left_is_not_formed_and_the_step_opens_again(client):
+    run_id = await new_run(client, target=20, gather_s=0.3)
+    [owner] = await joined(client, run_id, 1)
+    a, b = await joined(client, run_id, 2, reachable=False)
+    await owner.heartbeat(0, 0)
+    await a.heartbeat(0, 10)
+    assert (await b.heartbeat(0, 10)).step_closed
+    waiting = asyncio.gather(a.ready(0, 10), b.ready(0, 10))
+    await asyncio.sleep(0.05)
+    await owner.leave()  # the only part owner leaves before the round forms
+    replies = await asyncio.wait_for(waiting, 5)
+    assert [r.status for r in replies] == ["open", "open"]
+    status = await client.status(run_id)
+    assert status.global_step == 0 and not status.recent_steps
+    assert "no reachable volunteer" in (await a.heartbeat(0, 10)).notice

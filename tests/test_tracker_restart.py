@@ -79,12 +79,15 @@ async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_rereg
             )
             run_id = created.run_id
             v = SimVolunteer(c, run_id)
+            await v.serve()  # a reachable peer: a round needs a part owner
             await v.join(token="join-me-please")
+            await v.wait_reachable()
             await v.heartbeat(0, 10)
             assert (await v.ready(0, 10)).status == "group"
             history = (await c.status(run_id)).recent_steps
             assert [r.step for r in history] == [0]
     finally:
+        await v.close()
         first.kill()
     assert first.proc.returncode == -signal.SIGKILL
 

@@ -118,6 +118,15 @@ def script() -> list[ev.Event]:
         ev.RoundFailed(t=T0 + 31, round_id="rd-44", step=44, reason="group had 1 member"),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
         ev.StateServed(t=T0 + 33, step=41, content_hash="99aa88bb77cc66dd", size=8_000_000),
+        ev.Reachability(
+            t=T0 + 33,
+            address="127.0.0.1:40123",
+            reachable=True,
+            bt_address="127.0.0.1:6881",
+            bt_reachable=False,
+            asked_client_mode=False,
+        ),
+        ev.RunNotice(t=T0 + 33, message="the tracker found a problem with this run"),
         ev.Left(t=T0 + 65, reason="interrupted"),
     ]
 
@@ -152,6 +161,8 @@ def test_render_shows_each_panels_figures():
         "device cpu",
         "reachable at 127.0.0.1:40123",
         "up 33s",
+        "reachable for averaging at 127.0.0.1:40123; BitTorrent port 6881 is not reachable",
+        "run: the tracker found a problem with this run",
         # collaboration
         "global step 44",
         "96/256",
@@ -360,7 +371,7 @@ def expected_plain() -> list[str]:
     texts = [
         (
             0,
-            "joined run tiny-shakespeare (r-7f3a) at http://127.0.0.1:8471 as p-carol on cpu, reachable at "
+            "joined run tiny-shakespeare (r-7f3a) at http://127.0.0.1:8471 as p-carol on cpu, peer server at "
             "127.0.0.1:40123; global step 40, target 256 samples, recipe tiny-gpt, codec int8",
         ),
         (1, "phase: catching-up"),
@@ -385,6 +396,13 @@ def expected_plain() -> list[str]:
         (31, "WARNING round rd-44 for step 44 failed: group had 1 member"),
         (32, "WARNING tracker answered slowly (2.1 s)"),
         (33, "serving state of step 41 (99aa88bb77cc, 8.0 MB)"),
+        (
+            33,
+            "reachable for averaging at 127.0.0.1:40123; BitTorrent port 6881 is not reachable at "
+            "127.0.0.1:6881 (chunks still arrive over outgoing connections; to serve them to others, forward "
+            "TCP 6881 and pass --bt-port 6881)",
+        ),
+        (33, "WARNING the tracker found a problem with this run"),
         (65, "left the run: interrupted"),
     ]
     return [f"{stamp(T0 + dt)} {text}" for dt, text in texts]

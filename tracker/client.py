@@ -12,10 +12,11 @@ import hashlib
 import io
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import quote_from_bytes, urlsplit
 
 import aiohttp
 import msgspec
+from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
@@ -38,6 +39,7 @@ from crowdtrain.protocol.messages import (
     RunSpec,
     RunStatus,
     StateDeclare,
+    StepWatch,
     decode,
     encode,
 )
@@ -193,6 +195,17 @@ class TrackerClient:
         _, data = await self._request("GET", "/healthz")
         return msgspec.json.decode(data)
 
+    async def serves_infohash(self, infohash_hex: str) -> bool:
+        """Whether this tracker's /announce serves the swarm of ``infohash_hex`` (asked with a BEP 48 scrape)."""
+        raw = bytes.fromhex(infohash_hex)
+        _, data = await self._request("GET", f"/scrape?info_hash={quote_from_bytes(raw)}")
+        try:
+            answer = bencode.decode(data)
+        except ProtocolError as exc:
+            raise TrackerError(f"the tracker at {self.url} sent a malformed scrape answer: {exc}") from None
+        files = answer.get(b"files") if isinstance(answer, dict) else None
+        return isinstance(files, dict) and raw in files
+
     async def list_runs(self) -> RunList:
         return await self._get(f"{API}/runs", RunList)
 
@@ -205,6 +218,15 @@ class TrackerClient:
 
     async def status(self, run_id: str) -> RunStatus:
         return await self._get(f"{API}/runs/{run_id}/status", RunStatus)
+
+    async def watch_step(self, run_id: str, step: int, wait_s: float) -> StepWatch:
+        """Wait (up to ``wait_s``, as the tracker allows) until ``step`` closed or the run passed it."""
+        _, data = await self._request(
+            "GET",
+            f"{API}/runs/{run_id}/step?step={step}&wait_s={wait_s:g}",
+            timeout_s=wait_s + self.timeout_s,
+        )
+        return self._decode(data, StepWatch)
 
     async def donors(self, run_id: str) -> DonorList:
         return await self._get(f"{API}/runs/{run_id}/state/donors", DonorList)

@@ -5,8 +5,11 @@ The rules volunteers rely on:
 * Each run has a durable ``global_step`` (starts at 0). Peers heartbeat ``(step, samples)``; the tracker
   sums the samples of online peers whose ``step == global_step``.
 * The step *closes* when that sum reaches ``target_batch_size``, or when ``averaging.step_timeout_s``
-  passed since it opened and at least ``averaging.min_group_size`` peers reported samples > 0.
-  Heartbeat replies then say ``step_closed=True``.
+  passed since it opened and at least ``averaging.min_group_size`` peers reported samples > 0 — and only
+  if some online peer is reachable (owns a part): a round without a part owner averages nothing. While no
+  peer is reachable the step stays open, volunteers keep accumulating, and every heartbeat reply and the
+  run's status carry :data:`NO_REACHABLE_PEER` as ``notice``. Heartbeat replies say ``step_closed=True``
+  once it closed.
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
   the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
   passed, partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
@@ -14,6 +17,9 @@ The rules volunteers rely on:
   history and advances ``global_step`` to N + 1.
 * A ready call for a step that already formed returns the same assignment to a member of it, and
   ``missed`` (with the current global step) to anyone else.
+* If no ready peer owns a part when the round is formed (the reachable ones left or were not ready),
+  nothing is formed: the step opens again, its ready callers get ``open`` and go on accumulating, and the
+  global step does not advance.
 * Peers silent for ``peer_ttl_s`` expire.
 
 Aggregates (samples toward the step, contributors, run-wide rate) are kept incrementally so a heartbeat
@@ -23,6 +29,7 @@ costs O(1) whatever the number of peers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -41,11 +48,17 @@ from crowdtrain.protocol.messages import (
     RunSpec,
     StateVersion,
     StepRecord,
+    StepWatch,
 )
 from crowdtrain.tracker.matchmaking import Candidate, partition
 from crowdtrain.tracker.store import Store
 
 KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+NO_REACHABLE_PEER = (
+    "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
+    "so no averaging group can be formed: the step waits and every volunteer keeps its gradients; one "
+    "volunteer whose peer-server port others can connect to lets the run step (README: Across machines)"
+)
 
 
 @dataclass(slots=True)
@@ -57,6 +70,11 @@ class Peer:
     checking: bool = False  # a reachability check is under way
     checks: int = 0  # reachability checks done for the current address
     checked_at: float = 0.0  # monotonic time of the last check
+    checked: bool = False  # a check of the current address finished (``reachable`` is its answer)
+    bt_address: str | None = None  # "host:port" of its BitTorrent session, as the tracker tries it
+    bt_reachable: bool | None = None  # None: not checked yet
+    bt_checking: bool = False
+    bt_checked_at: float = 0.0
     step: int = -1
     samples: int = 0
     samples_per_s: float = 0.0
@@ -89,6 +107,8 @@ class RunState:
         self.pending: set[str] = set()
         self.formed: OrderedDict[int, dict[str, GroupAssignment]] = OrderedDict()
         self.changed = asyncio.Event()
+        self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
+        self.notice: str | None = None  # a run-wide problem, in one sentence
         self.stopping = False
         self.on_formed: list[Callable[[StepRecord, list[int]], None]] = []  # e.g. metrics
 
@@ -134,6 +154,7 @@ class RunState:
         self._unaccount(peer)
         self.pending.discard(peer_id)
         self.ready.pop(peer_id, None)
+        self.reopened.discard(peer_id)
         return True
 
     def expire(self, ttl_s: float) -> int:
@@ -178,7 +199,10 @@ class RunState:
         if self.step_samples >= self.target or (
             timed_out and self.step_contributors >= self.spec.averaging.min_group_size
         ):
+            if not self._any_owner():
+                return
             self.closed_at = now
+            self._wake()
             self.pending = {
                 p.peer_id
                 for p in self.peers.values()
@@ -186,6 +210,19 @@ class RunState:
                 if p.step in (self.global_step, self.global_step - 1) and p.peer_id not in self.ready
             }
             self.maybe_form(now)
+
+    def _any_owner(self) -> bool:
+        """Whether an online peer at this step (or on its way to it) could own a part; sets the notice."""
+        owners = checking = False
+        for p in self.peers.values():
+            if p.step not in (self.global_step, self.global_step - 1):
+                continue
+            if self._owns_part(p.peer_id):
+                owners = True
+                break
+            checking |= p.address is not None and not p.checked  # its first check is under way
+        self.notice = None if owners or checking else NO_REACHABLE_PEER
+        return owners
 
     def maybe_form(self, now: float) -> None:
         if self.closed_at is None:
@@ -204,6 +241,9 @@ class RunState:
         avg = self.spec.averaging
         seed = secrets.randbits(63)
         candidates = [Candidate(pid, self._owns_part(pid)) for pid in self.ready if pid in self.peers]
+        if not any(c.reachable for c in candidates):
+            self._reopen()
+            return
         groups = partition(candidates, avg.group_size, seed)
         deadline = now + avg.round_timeout_s
         average_params = avg.average_state_every > 0 and (step + 1) % avg.average_state_every == 0
@@ -254,11 +294,42 @@ class RunState:
         self.closed_at = None
         self.ready = {}
         self.pending = set()
+        self.reopened = set()
+        self.notice = None
         self._recount()
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in groups])
+        self._wake()
+
+    def _wake(self) -> None:
+        """Answer every long-poll waiting on a change (a close, a formed or reopened round)."""
         self.changed.set()
         self.changed = asyncio.Event()
+
+    async def wait_close(self, step: int, long_poll_s: float) -> StepWatch:
+        """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, or after ``long_poll_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + long_poll_s
+        while not self.stopping:
+            if self.global_step > step or (self.global_step == step and self.closed_at is not None):
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            changed = self.changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None)
+
+    def _reopen(self) -> None:
+        """No ready peer owns a part: form nothing, keep the step open, tell the ready callers."""
+        self.reopened |= set(self.ready)
+        self.closed_at = None
+        self.ready = {}
+        self.pending = set()
+        self._any_owner()
+        self._wake()
 
     def _owns_part(self, peer_id: str) -> bool:
         peer = self.peers[peer_id]
@@ -271,6 +342,9 @@ class RunState:
         while True:
             if self.stopping:
                 return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=1.0)
+            if step == self.global_step and peer_id in self.reopened:
+                self.reopened.discard(peer_id)
+                return ReadyReply(status="open", global_step=self.global_step, retry_after_s=0.0)
             if step < self.global_step:
                 assignment = self.formed.get(step, {}).get(peer_id)
                 if assignment is not None:
@@ -308,6 +382,9 @@ class RunState:
                 client_mode=not self._owns_part(p.peer_id),
                 chunks_held=p.chunks_held,
                 loss=p.loss,
+                address=p.address,
+                reachable=p.reachable,
+                bt_reachable=p.bt_reachable,
             )
             for p in peers
         ]

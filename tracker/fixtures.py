@@ -3,11 +3,13 @@
 * :func:`make_torrent` writes a v1 .torrent for some bytes (pure bencode; no libtorrent);
 * :func:`make_run_create` builds a :class:`RunCreate` around such a torrent;
 * :class:`PingServer` is a minimal peer server answering ``GET /v1/ping`` (a reachable volunteer);
-* :class:`SimVolunteer` joins a run and speaks for one peer with its own key.
+* :class:`SimVolunteer` joins a run and speaks for one peer with its own key; after :meth:`SimVolunteer.serve`
+  it is reachable (its own :class:`PingServer`, declared as ``":PORT"`` like ``crowdtrain join`` does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 
@@ -112,6 +114,26 @@ class SimVolunteer:
         self.key = SigningKey()
         self.joined: JoinResponse | None = None
         self.address: str | None = None
+        self._server: PingServer | None = None
+
+    async def serve(self) -> None:
+        """Answer the tracker's reachability check from now on (call before :meth:`join`)."""
+        self._server = await PingServer().__aenter__()
+        self.address = ":" + self._server.address.rpartition(":")[2]
+
+    async def wait_reachable(self, within_s: float = 5.0) -> None:
+        """Heartbeat (step 0, no samples) until the tracker says its check of this peer answered."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        while not (await self.heartbeat(0, 0)).reachable:
+            if loop.time() > deadline:
+                raise TimeoutError(f"the tracker did not reach peer {self.peer_id} at {self.address}")
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.__aexit__(None, None, None)
+            self._server = None
 
     @property
     def peer_id(self) -> str:
@@ -119,13 +141,16 @@ class SimVolunteer:
         return self.joined.peer_id
 
     async def join(self, address: str | None = None, token: str | None = None) -> JoinResponse:
-        self.address = address
+        if address is not None or self._server is None:
+            self.address = address
         self.joined = await self.client.join(
             self.run_id,
             JoinRequest(
-                public_key=self.key.public_hex, address=address, token=token, peer_protocol=PEER_PROTOCOL
+                public_key=self.key.public_hex, address=self.address, token=token, peer_protocol=PEER_PROTOCOL
             ),
         )
+        if self._server is not None:
+            self._server.peer_id = self.joined.peer_id
         return self.joined
 
     async def heartbeat(self, step: int, samples: int, samples_per_s: float = 10.0) -> HeartbeatReply:

@@ -5,8 +5,9 @@ Rules, in order of precedence:
 1. every ready peer is in exactly one group;
 2. a group must hold at least one reachable peer (a *part owner*); when there are fewer reachable peers
    than ``ceil(n / G)`` groups, there are only as many groups as reachable peers (the only case where a
-   group grows past G); with no reachable peer at all, groups are formed with ``parts = 0`` and every
-   member keeps its own values;
+   group grows past G: with r reachable of n ready peers, no group holds more than ``ceil(n / r)``
+   members); with no reachable peer at all this function returns groups with ``parts = 0``, which the
+   tracker never forms (the step stays open, see :mod:`crowdtrain.tracker.collab`);
 3. at most G members per group, with ``ceil(n / G)`` groups whose sizes differ by at most one — so no
    group of one unless n == 1 or G == 2 with n odd;
 4. reachable peers are spread over the groups round-robin, so each group gets its share of part owners;

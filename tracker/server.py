@@ -7,6 +7,7 @@ Routes::
     POST /api/v1/datasets                         admin: register an info-hash for /announce
     POST /api/v1/runs                             admin: RunCreate -> RunCreated
     GET  /api/v1/runs, /api/v1/runs/{id}, /api/v1/runs/{id}/torrent, /api/v1/runs/{id}/status
+    GET  /api/v1/runs/{id}/step?step=N&wait_s=S   long-poll: StepWatch once step N closed or passed
     POST /api/v1/runs/{id}/join                   JoinRequest -> JoinResponse (join token if private)
     POST /api/v1/runs/{id}/heartbeat|ready|leave|state    signed by the volunteer (peerauth)
     GET  /api/v1/runs/{id}/state/donors
@@ -23,7 +24,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import math
 import re
@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import web
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, CrowdtrainError, LimitExceeded, ProtocolError
@@ -66,6 +66,7 @@ from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
 from crowdtrain.tracker.collab import Peer, RunState
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
+from crowdtrain.tracker.reach import AddressError, Checker, resolve_address
 from crowdtrain.tracker.store import Store
 from crowdtrain.tracker.swarm import Swarms
 
@@ -77,7 +78,6 @@ RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 JSON = "application/json"
 MAX_INT = 2**53
 SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
-RECHECK_S = 10.0  # an unreachable declared address is checked again this often (on heartbeats)
 
 
 class ApiError(CrowdtrainError):
@@ -97,25 +97,6 @@ def _error(status: int, message: str) -> web.Response:
 def _slug(name: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
     return slug or "run"
-
-
-def parse_address(address: str, remote: str | None) -> str:
-    """Validate a declared ``host:port``; an unspecified host (``0.0.0.0``, ``::``, empty) becomes the
-    address the request came from."""
-    if len(address) > 300:
-        raise ApiError(400, "address is longer than 300 characters")
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
-        raise ApiError(400, f"address {address!r} must be host:port with a port between 1 and 65535")
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        if not remote:
-            raise ApiError(400, f"address {address!r} has no host and the connection's address is unknown")
-        host = f"[{remote}]" if ":" in remote else remote
-    if any(c.isspace() or c in "/?#@" for c in host):
-        raise ApiError(400, f"address {address!r} has an invalid host")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ApiError(400, f"address {address!r}: write an IPv6 host in brackets, e.g. [::1]:8000")
-    return f"{host}:{int(port_text)}"
 
 
 class TokenBucket:
@@ -178,9 +159,7 @@ class Tracker:
             self.join_tokens[stored.spec.run_id] = stored.join_token_hash
         self.metrics.bind(self)
         self._stop = asyncio.Event()
-        self._checks: set[asyncio.Task[None]] = set()
-        self._check_slots = asyncio.Semaphore(config.reachability_concurrency)
-        self._http: ClientSession | None = None
+        self.checker = Checker(config.reachability_timeout_s, config.reachability_concurrency, tasks)
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.announce_url = ""
@@ -207,6 +186,7 @@ class Tracker:
         r.add_get("/api/v1/runs/{run_id}", self.get_spec)
         r.add_get("/api/v1/runs/{run_id}/torrent", self.get_torrent)
         r.add_get("/api/v1/runs/{run_id}/status", self.get_status)
+        r.add_get("/api/v1/runs/{run_id}/step", self.watch_step)
         r.add_post("/api/v1/runs/{run_id}/join", self.join)
         r.add_post("/api/v1/runs/{run_id}/heartbeat", self.heartbeat)
         r.add_post("/api/v1/runs/{run_id}/ready", self.ready)
@@ -216,7 +196,7 @@ class Tracker:
         return app
 
     async def start(self) -> None:
-        self._http = ClientSession(timeout=ClientTimeout(total=self.config.reachability_timeout_s))
+        await self.checker.start()
         self._runner = web.AppRunner(
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_DRAIN_S
         )
@@ -238,14 +218,11 @@ class Tracker:
 
     async def close(self) -> None:
         self._stop.set()
-        for task in list(self._checks):
-            task.cancel()
         for run in self.runs.values():  # long-polls answer "wait" now instead of holding the shutdown
             run.stop()
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._http is not None:
-            await self._http.close()
+        await self.checker.close()
         self.store.close()
 
     async def _upkeep(self) -> None:
@@ -341,39 +318,6 @@ class Tracker:
                 404, f"peer {peer_id} is not registered in run {run.run_id}; send a heartbeat or join again"
             )
         return peer
-
-    def _check_reachable(self, run: RunState, peer: Peer) -> None:
-        """Check the declared address off the request path (at join, on a change, and while it fails:
-        at the next heartbeat, then every ``RECHECK_S``; a peer server may learn its id only after join)."""
-        if peer.address is None or peer.checking:
-            return
-        peer.checking = True
-        peer.checks += 1
-        peer.checked_at = time.monotonic()
-        task = self._tasks.create_task(self._ping(run, peer, peer.address))
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
-
-    async def _ping(self, run: RunState, peer: Peer, address: str) -> None:
-        assert self._http is not None
-        ok = False
-        async with self._check_slots:
-            try:
-                async with asyncio.timeout(self.config.reachability_timeout_s):
-                    async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
-                        if resp.status == 200:
-                            body = await resp.content.read(4096)
-                            reply = json.loads(body)
-                            ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
-            except Exception as exc:  # any failure (refused, timeout, bad JSON) means unreachable
-                log.debug("peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
-        peer.checking = False
-        if peer.address == address and run.peers.get(peer.peer_id) is peer:
-            peer.reachable = ok
-            if not ok:
-                log.info(
-                    "peer %s declared %s but did not answer GET /v1/ping; client mode", peer.peer_id, address
-                )
 
     # ------------------------------------------------------------ BitTorrent
 
@@ -556,6 +500,15 @@ class Tracker:
             headers={"Content-Disposition": f'attachment; filename="{run.run_id}.torrent"'},
         )
 
+    async def watch_step(self, request: web.Request) -> web.Response:
+        """A long-poll: answers once step ``step`` closed or the run passed it (or after ``wait_s``)."""
+        run = self._run(request)
+        step = _query_number(request, "step", int, 0, MAX_INT)
+        wait_s = min(
+            self.config.long_poll_s, _query_number(request, "wait_s", float, 0.0, 3600.0, default=0.0)
+        )
+        return _json(await run.wait_close(step, wait_s))
+
     async def get_status(self, request: web.Request) -> web.Response:
         run = self._run(request)
         return _json(
@@ -570,10 +523,20 @@ class Tracker:
                 samples_per_s=run.rate_sum,
                 peers=run.peer_statuses(),
                 recent_steps=self.store.history(run.run_id),
+                notice=run.notice,
             )
         )
 
     # ------------------------------------------------------------ volunteers
+
+    @staticmethod
+    def _address(declared: str | None, request: web.Request) -> str | None:
+        if declared is None:
+            return None
+        try:
+            return resolve_address(declared, request.remote)
+        except AddressError as exc:
+            raise ApiError(400, str(exc)) from None
 
     async def join(self, request: web.Request) -> web.Response:
         run = self._run(request)
@@ -601,15 +564,15 @@ class Tracker:
             )
         if len(run.peers) >= self.config.max_peers_per_run:
             raise ApiError(503, f"run {run.run_id} has {len(run.peers)} peers, its limit; try again later")
-        address = None if msg.address is None else parse_address(msg.address, request.remote)
+        address = self._address(msg.address, request)
         peer_id = secrets.token_hex(8)
         credential = issue_credential(
             self.signer, run.run_id, peer_id, msg.public_key, self.config.credential_ttl_s
         )
         self.auth.remember(credential)
-        peer = Peer(peer_id=peer_id, public_key=msg.public_key, address=address)
+        peer = Peer(peer_id=peer_id, public_key=msg.public_key, address=None)
         run.add(peer)
-        self._check_reachable(run, peer)
+        self.checker.update(run, peer, address, None, request.remote or "")
         return _json(
             JoinResponse(
                 peer_id=peer_id,
@@ -618,6 +581,7 @@ class Tracker:
                 heartbeat_interval_s=self.config.heartbeat_interval_s,
                 peer_ttl_s=self.config.peer_ttl_s,
                 session_key=self.auth.session_key_for(credential),
+                observed_host=request.remote,
             )
         )
 
@@ -629,28 +593,19 @@ class Tracker:
             raise ApiError(400, "Heartbeat: samples_per_s must be a finite non-negative number")
         if hb.loss is not None and not math.isfinite(hb.loss):
             raise ApiError(400, "Heartbeat: loss must be a finite number")
-        address = None if hb.address is None else parse_address(hb.address, request.remote)
+        if hb.bt_port is not None and not 1 <= hb.bt_port <= 65535:
+            raise ApiError(400, "Heartbeat: bt_port must be a port between 1 and 65535")
+        address = self._address(hb.address, request)
         peer = run.peers.get(hb.peer_id)
         if peer is None:  # after a tracker restart or an expiry: the signed credential re-registers it
             if len(run.peers) >= self.config.max_peers_per_run:
                 raise ApiError(
                     503, f"run {run.run_id} has {len(run.peers)} peers, its limit; try again later"
                 )
-            peer = Peer(peer_id=hb.peer_id, public_key=public_key, address=address)
+            peer = Peer(peer_id=hb.peer_id, public_key=public_key, address=None)
             run.add(peer)
-            self._check_reachable(run, peer)
             log.info("peer %s re-registered in run %s by its heartbeat", peer.peer_id, run.run_id)
-        elif address != peer.address:
-            peer.address = address
-            peer.reachable = False
-            peer.checks = 0
-            self._check_reachable(run, peer)
-        elif (
-            address is not None
-            and not peer.reachable
-            and (peer.checks < 2 or time.monotonic() - peer.checked_at >= RECHECK_S)
-        ):
-            self._check_reachable(run, peer)
+        self.checker.update(run, peer, address, hb.bt_port, request.remote or "")
         run.heartbeat(peer, hb)
         return _json(
             HeartbeatReply(
@@ -662,6 +617,11 @@ class Tracker:
                 eta_s=run.eta_s(),
                 step_closed=run.closed_at is not None,
                 reachable=peer.reachable,
+                address=peer.address,
+                checked=peer.checked,
+                bt_address=peer.bt_address,
+                bt_reachable=peer.bt_reachable,
+                notice=run.notice,
             )
         )
 
@@ -712,6 +672,23 @@ class Tracker:
 
     async def donors(self, request: web.Request) -> web.Response:
         return _json(self._run(request).donors())
+
+
+def _query_number(request: web.Request, name: str, kind: type, low: float, high: float, default=None):
+    raw = request.query.get(name)
+    if raw is None:
+        if default is None:
+            raise ApiError(400, f"the query needs {name}= (a number from {low:g} to {high:g})")
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ApiError(
+            400, f"{name} must be a {'whole ' if kind is int else ''}number, not {raw[:40]!r}"
+        ) from None
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ApiError(400, f"{name} must be a number from {low:g} to {high:g}")
+    return value
 
 
 @contextlib.asynccontextmanager

@@ -9,6 +9,16 @@ from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.volunteer.state.config import StateConfig
 
 
+def split_advertise(advertise: str) -> tuple[str, int | None]:
+    """``"HOST"`` -> (HOST, None); ``"HOST:PORT"`` or ``"[V6]:PORT"`` -> (HOST, PORT)."""
+    host, sep, port = advertise.rpartition(":")
+    if not sep or (host.count(":") and not host.endswith("]")):  # no port (a bare IPv6 address too)
+        return advertise, None
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError("advertise", f"{advertise!r}: the port must be a number between 1 and 65535")
+    return host, int(port)
+
+
 @dataclass(frozen=True, slots=True)
 class VolunteerConfig:
     run_id: str
@@ -16,9 +26,12 @@ class VolunteerConfig:
     data_dir: Path
     token: str | None = field(default=None, repr=False)  # join token of a private run; not in repr
     device: str = "auto"  # auto, cpu or cuda
-    host: str = "127.0.0.1"  # where the peer server listens
-    port: int = 0  # 0 = any free port
-    advertise_host: str | None = None  # host others reach us at; default: host
+    host: str = "0.0.0.0"  # the interface the peer server and the BitTorrent session listen on (all)
+    port: int = 0  # peer server port; 0 = any free port
+    bt_port: int = 0  # BitTorrent port; 0 = any free port
+    # "HOST" or "HOST:PORT" others reach the peer server at (port forwarding, a relay). Default: the
+    # address the tracker sees this volunteer's requests come from, with ``port``.
+    advertise: str | None = None
     client_mode: bool = False  # declare no address: own no all-reduce part, serve no state
     max_batch: int | None = None  # cap on the micro-batch size
     max_steps: int | None = None  # leave once the run's global step reaches this (demos, tests)
@@ -36,8 +49,15 @@ class VolunteerConfig:
             raise ConfigError("tracker", f"{self.tracker_url!r} is not an http:// or https:// URL")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"{self.device!r} is not one of auto, cpu, cuda")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError("port", "must be between 0 and 65535")
+        for name in ("port", "bt_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ConfigError(name, "must be between 0 and 65535")
+        if self.advertise is not None:
+            host, _ = split_advertise(self.advertise)
+            if host in ("", "0.0.0.0", "::", "[::]"):
+                raise ConfigError("advertise", f"{self.advertise!r} names no host others could reach")
+        if self.client_mode and self.advertise is not None:
+            raise ConfigError("advertise", "a volunteer in client mode declares no address; drop one of them")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError("max_batch", "must be at least 1")
         if self.max_steps is not None and self.max_steps < 1:

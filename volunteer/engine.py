@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from crowdtrain.datasets.sampler import Sampler
-from crowdtrain.datasets.session import TorrentSession
+from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import (
     AveragingError,
@@ -52,7 +52,7 @@ from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager, part_bounds
 from crowdtrain.volunteer.averaging.config import AveragingConfig
-from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
 from crowdtrain.volunteer.models import check_param_hash, get_recipe
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 LEAVE_TIMEOUT_S = 3.0
 STATS_INTERVAL_S = 1.0
 LOCAL_REPORT_S = 1.0
+WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 
 
 @dataclass(slots=True)
@@ -137,10 +138,14 @@ class Volunteer:
         self.param_history: dict[int, np.ndarray] = {}
         self._reply: HeartbeatReply | None = None
         self._reply_changed = asyncio.Event()
+        self._heartbeat_now = asyncio.Event()  # set: send the next heartbeat now
         self._stop = asyncio.Event()
         self._loss_ema: float | None = None
         self._samples_per_s = 0.0
-        self._address: str | None = None
+        self._address: str | None = None  # where others reach this peer (for the view)
+        self._declared: str | None = None  # what the join and heartbeats declare (see _declared_address)
+        self._notice: str | None = None
+        self._reachability: tuple | None = None
         self._chunks_held = 0
         self._pending_state: asyncio.Task | None = None
         # While catching up: step -> (averaged gradient, averaged parameters or None), replayed on load.
@@ -184,26 +189,50 @@ class Volunteer:
             self.trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
             torrent = await tracker.get_torrent(cfg.run_id)
 
-            join = await tracker.join(
-                cfg.run_id,
-                JoinRequest(
-                    public_key=self.key.public_hex,
-                    token=cfg.token,
-                    device=device,
-                    client_version=__version__,
-                    peer_protocol=PEER_PROTOCOL,
-                ),
-            )
+            # Listen before joining, so the address the join declares answers the tracker's check at once.
+            server = PeerServer(cfg.host, cfg.port)
+            try:
+                port = server.bind()
+            except OSError as exc:
+                raise CrowdtrainError(
+                    f"cannot listen on {listen_address(cfg.host, cfg.port)} for peers ({exc.strerror}); "
+                    "choose another --port or --host"
+                ) from None
+            self.torrent = None
+            try:
+                self.torrent = TorrentSession(SessionConfig(listen=listen_address(cfg.host, cfg.bt_port)))
+                await self.torrent.start()
+                self._declared = self._declared_address(port)
+                join = await tracker.join(
+                    cfg.run_id,
+                    JoinRequest(
+                        public_key=self.key.public_hex,
+                        address=self._declared,
+                        token=cfg.token,
+                        device=device,
+                        client_version=__version__,
+                        peer_protocol=PEER_PROTOCOL,
+                    ),
+                )
+            except BaseException:
+                await server.stop()
+                if self.torrent is not None:
+                    await self.torrent.close()
+                raise
             self.peer_id = join.peer_id
             self.credential = join.credential
             self.heartbeat_interval = join.heartbeat_interval_s
             self.step = join.global_step
             self.summary.peer_id = join.peer_id
             self.summary.first_step = join.global_step
+            server.peer_id = join.peer_id
+            if self._declared is not None:
+                host = self._declared.rpartition(":")[0] or join.observed_host or "?"
+                if ":" in host and not host.startswith("["):
+                    host = f"[{host}]"
+                self._address = f"{host}:{self._declared.rpartition(':')[2]}"
 
             self.averager = None
-            server = None
-            self.torrent = None
             reason = "finished"
             try:
                 self.averager = Averager(
@@ -221,13 +250,9 @@ class Volunteer:
                     config=cfg.state,
                     emit=self.emit,
                 )
-                server = PeerServer(cfg.host, cfg.port)
-                server.peer_id = join.peer_id
                 server.add_routes(self.averager.routes())
                 server.add_routes(self.state_server.routes())
-                port = await server.start()
-                if not cfg.client_mode:
-                    self._address = f"{cfg.advertise_host or cfg.host}:{port}"
+                await server.start()
 
                 manifest = spec.dataset.manifest
                 self.sampler_seed = (
@@ -241,8 +266,6 @@ class Volunteer:
                     seed=self.sampler_seed,
                     seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
                 )
-                self.torrent = TorrentSession()
-                await self.torrent.start()
                 self.download = None
                 self.emit(
                     ev.Joined(
@@ -261,6 +284,7 @@ class Volunteer:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._stream(torrent))
                     tg.create_task(self._heartbeats())
+                    tg.create_task(self._watch_steps())
                     tg.create_task(self._torrent_stats())
                     train = tg.create_task(self._train())
                     await train
@@ -274,8 +298,7 @@ class Volunteer:
                 if self._pending_state is not None:
                     self._pending_state.cancel()
                 # In order: stop accepting peers, tell the tracker, then close what talks to the network.
-                if server is not None:
-                    await server.stop()
+                await server.stop()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
                     async with asyncio.timeout(LEAVE_TIMEOUT_S):
                         await tracker.leave(
@@ -288,6 +311,39 @@ class Volunteer:
                 self.summary.last_step = self.step
                 self.emit(ev.Left(reason=reason))
         return self.summary
+
+    def _declared_address(self, port: int) -> str | None:
+        """What the join and heartbeats declare: None in client mode, ``--advertise``, or ``":PORT"``
+        (the tracker fills in the address it sees this volunteer's requests come from)."""
+        cfg = self.config
+        if cfg.client_mode:
+            return None
+        if cfg.advertise is not None:
+            host, advertised_port = split_advertise(cfg.advertise)
+            return f"{host}:{advertised_port or port}"
+        return f":{port}"
+
+    def _told_reachability(self, reply: HeartbeatReply) -> None:
+        """Tell the user where others reach this machine, once the tracker's checks answered, and again
+        whenever that changes; and any run-wide problem the tracker reports."""
+        if reply.notice != self._notice:
+            self._notice = reply.notice
+            self.emit(ev.RunNotice(message=reply.notice))
+        settled = self._declared is None or reply.checked
+        bt_settled = reply.bt_reachable is not None or reply.bt_address is None
+        if not settled or not bt_settled:
+            return
+        seen = ev.Reachability(
+            address=reply.address,
+            reachable=reply.reachable if self._declared is not None else None,
+            bt_address=reply.bt_address,
+            bt_reachable=reply.bt_reachable,
+            asked_client_mode=self.config.client_mode,
+        )
+        key = (seen.address, seen.reachable, seen.bt_address, seen.bt_reachable)
+        if key != self._reachability:
+            self._reachability = key
+            self.emit(seen)
 
     # ------------------------------------------------------------------ data
 
@@ -343,15 +399,17 @@ class Volunteer:
                 step=self.step,
                 samples=self.trainer.samples,
                 samples_per_s=self._samples_per_s,
-                address=self._address,
+                address=self._declared,
                 chunks_held=self._chunks_held,
                 loss=self._loss_ema,
+                bt_port=self._bt_port(),
             ),
             self.key,
             self.credential,
         )
         self._reply = reply
         self._reply_changed.set()
+        self._told_reachability(reply)
         self.emit(
             ev.Progress(
                 global_step=reply.global_step,
@@ -363,6 +421,13 @@ class Volunteer:
                 reachable=reply.reachable,
             )
         )
+
+    def _bt_port(self) -> int | None:
+        if self.torrent is None:
+            return None
+        with contextlib.suppress(CrowdtrainError, RuntimeError):
+            return self.torrent.listen_port or None
+        return None
 
     async def _heartbeats(self) -> None:
         """Report progress every interval; a tracker that is down only pauses averaging."""
@@ -381,8 +446,35 @@ class Volunteer:
                         "heartbeat failed (%s); training goes on and will report when it is back",
                         exc,
                     )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.heartbeat_interval)
+            await self._sleep_until(self.heartbeat_interval, self._heartbeat_now)
+            self._heartbeat_now.clear()
+
+    async def _sleep_until(self, seconds: float, event: asyncio.Event) -> None:
+        """Sleep ``seconds``, or less if ``event`` or the stop is set."""
+        waits = {asyncio.ensure_future(self._stop.wait()), asyncio.ensure_future(event.wait())}
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _watch_steps(self) -> None:
+        """Hear of a step's close within a round trip (a long-poll), not at the next heartbeat: on a close,
+        heartbeat at once; its reply tells the training loop to average."""
+        while not self._stop.is_set():
+            step = self.step
+            try:
+                watch = await self.tracker.watch_step(self.config.run_id, step, WATCH_S)
+            except TrackerError:
+                await self._sleep_until(self.heartbeat_interval, self._stop)
+                continue
+            if watch.global_step > step or watch.step_closed:
+                self._heartbeat_now.set()
+                # until this peer moved on from that step (or a heartbeat interval passed): the same answer
+                # again would only repeat the heartbeat
+                deadline = time.monotonic() + self.heartbeat_interval
+                while self.step == step and time.monotonic() < deadline and not self._stop.is_set():
+                    await self._sleep_until(0.05, self._stop)
 
     # ------------------------------------------------------------------ training
 
@@ -562,6 +654,10 @@ class Volunteer:
             if reply.status == "missed":
                 self._fell_behind(reply.global_step)
                 return None
+            if reply.status == "open":
+                # no reachable peer was ready: nothing was averaged; keep the accumulation and train on
+                self._reply = None
+                return None
             await asyncio.sleep(reply.retry_after_s)
         return None
 
@@ -647,6 +743,10 @@ class Volunteer:
             if self.config.init_from is not None:
                 self._note(
                     logging.INFO, "no peer serves the run's state; resuming from %s", self.config.init_from
+                )
+            elif self.summary.steps_done or self.trainer.samples:
+                self._note(
+                    logging.WARNING, "no peer serves the run's state; keeping this volunteer's parameters"
                 )
             else:
                 self._note(

@@ -54,6 +54,24 @@ class Progress(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Reachability(Event):
+    """Where the tracker reaches this volunteer, once its checks answered (and whenever that changes)."""
+
+    address: str | None  # the peer server's address as the tracker has it; None: client mode
+    reachable: bool | None  # the tracker's check of ``address`` answered; None: client mode
+    bt_address: str | None  # where the tracker tried the BitTorrent port
+    bt_reachable: bool | None  # None: not checked
+    asked_client_mode: bool  # --client-mode was given
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunNotice(Event):
+    """A run-wide problem the tracker reports (e.g. no reachable volunteer), or None once it is over."""
+
+    message: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseChanged(Event):
     phase: str  # "downloading", "catching-up", "training", "waiting-for-group", "averaging", "stepping", "leaving"
 

@@ -1,8 +1,12 @@
 """The volunteer's one peer server: a ping for the tracker's reachability check, plus the routes of the
-all-reduce and of state serving, on one aiohttp app bound to a free port."""
+all-reduce and of state serving, on one aiohttp app bound to a free port.
+
+:meth:`PeerServer.bind` takes the port before the routes are known (the join declares it, and the
+tracker's check may connect at once: it waits in the listen backlog until :meth:`PeerServer.start`)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 
 from aiohttp import web
@@ -18,6 +22,7 @@ class PeerServer:
         self._app = web.Application(client_max_size=MAX_BODY)
         self._app.router.add_get("/v1/ping", self._ping)
         self._runner: web.AppRunner | None = None
+        self._sock: socket.socket | None = None
 
     def add_routes(self, routes: Iterable[web.RouteDef]) -> None:
         self._app.add_routes(list(routes))
@@ -25,16 +30,36 @@ class PeerServer:
     async def _ping(self, request: web.Request) -> web.Response:
         return web.json_response({"peer_id": self.peer_id})
 
+    def bind(self) -> int:
+        """Take the port (listening from now on, answering once started); returns it."""
+        if self._sock is None:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+                sock.listen(128)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+            self.port = sock.getsockname()[1]
+        return self.port
+
     async def start(self) -> int:
-        """Start listening; returns the bound port."""
+        """Serve on the bound port (binding it first if needed); returns the port."""
+        self.bind()
         self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        await web.SockSite(self._runner, self._sock).start()
         return self.port
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

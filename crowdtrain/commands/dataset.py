@@ -135,25 +135,33 @@ def info(
 def seed(
     ctx: typer.Context,
     data_dir: Path = typer.Argument(..., help="A folder made by `dataset make` (or fully downloaded)."),
-    tracker: str | None = typer.Option(None, "--tracker", help="Tracker URL to register the data set with."),
-    admin_token: str | None = typer.Option(
-        None, "--admin-token", envvar="CROWDTRAIN_ADMIN_TOKEN", help="The tracker's admin token."
+    tracker: str | None = typer.Option(
+        None, "--tracker", help="The tracker that serves this data set's swarm (checked before seeding)."
     ),
-    listen: str = typer.Option("0.0.0.0:0", "--listen", help="host:port to accept peers on (port 0 = any)."),
+    admin_token: str | None = typer.Option(
+        None,
+        "--admin-token",
+        envvar="CROWDTRAIN_ADMIN_TOKEN",
+        help="The tracker's admin token: registers the data set there. Not needed where the tracker "
+        "already serves it (a run uses it, it was registered, or the tracker runs with --open).",
+    ),
+    host: str = typer.Option("0.0.0.0", "--host", help="Interface to accept peers on (default: every one)."),
+    bt_port: int = typer.Option(0, "--bt-port", help="TCP port of BitTorrent; 0: any free (printed)."),
     upload_limit: str = typer.Option("0", "--upload-limit", help="Upload rate limit per second (0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print stats as JSON lines."),
 ) -> None:
     """Seed a data set until Ctrl-C, showing peers and upload rate."""
-    from crowdtrain.datasets.session import SessionConfig
+    from crowdtrain.datasets.session import SessionConfig, listen_address
 
+    if not 0 <= bt_port <= 65535:
+        raise typer.BadParameter("must be between 0 and 65535", param_hint="--bt-port")
     try:
-        cfg = SessionConfig(listen=listen, upload_rate_limit=parse_size(upload_limit, "--upload-limit"))
-    except ConfigError as exc:
-        raise typer.BadParameter(exc.problem, param_hint=f"--{exc.field.replace('_', '-')}") from None
-    if tracker and not admin_token:
-        raise typer.BadParameter(
-            "registering with a tracker needs its admin token", param_hint="--admin-token"
+        cfg = SessionConfig(
+            listen=listen_address(host, bt_port), upload_rate_limit=parse_size(upload_limit, "--upload-limit")
         )
+    except ConfigError as exc:
+        hint = "--host" if exc.field == "listen" else f"--{exc.field.replace('_', '-')}"
+        raise typer.BadParameter(exc.problem, param_hint=hint) from None
     run_async(_seed(data_dir, tracker, admin_token, cfg, wants_json(ctx, json_out)))
 
 
@@ -167,8 +175,10 @@ async def _seed(data_dir: Path, tracker: str | None, admin_token: str | None, cf
     ds = read_dataset_info(data_dir)
     if ds.manifest is None:
         raise DatasetError(f"{data_dir} has no manifest; give the folder made by `dataset make`.")
-    if tracker:
-        await _register(tracker, admin_token or "", ds.infohash, ds.name)
+    if tracker and admin_token:
+        await _register(tracker, admin_token, ds.infohash, ds.name)
+    elif tracker:
+        await _check_served(tracker, ds.infohash, ds.name)
     torrent_bytes = find_torrent(data_dir).read_bytes()
     async with TorrentSession(cfg) as ses:
         dl = await ses.seed(data_dir, torrent_bytes, manifest=ds.manifest)
@@ -193,6 +203,19 @@ async def _seed(data_dir: Path, tracker: str | None, admin_token: str | None, cf
                 elif tick % 10 == 0:  # no terminal: a line every 10 s
                     typer.echo(line)
                 await asyncio.sleep(1.0)
+
+
+async def _check_served(tracker: str, infohash: str, name: str) -> None:
+    """Without an admin token nothing is registered: make sure the tracker serves this swarm already."""
+    from crowdtrain.tracker.client import TrackerClient
+
+    async with TrackerClient(tracker) as client:
+        served = await client.serves_infohash(infohash)
+    if not served:
+        raise DatasetError(
+            f"the tracker at {tracker} does not serve data set {name!r} ({infohash}): no run uses it, it was "
+            "not registered and the tracker does not run with --open; pass --admin-token to register it"
+        )
 
 
 async def _register(tracker: str, admin_token: str, infohash: str, name: str) -> None:

@@ -120,7 +120,7 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
                 spec = (await client.create_run(create)).spec
             console.print(f"run          {spec.run_id} ({spec.model.recipe}, codec {codec}, {n} volunteers)")
 
-            seeder = TorrentSession(SessionConfig(upload_rate_limit=DEMO_SEEDER_RATE))
+            seeder = TorrentSession(SessionConfig(listen="127.0.0.1:0", upload_rate_limit=DEMO_SEEDER_RATE))
             await seeder.start()
             seed_download = await seeder.seed(
                 data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest
@@ -164,6 +164,8 @@ async def _run_volunteers(
             run_id,
             "--tracker",
             tracker_url,
+            "--host",
+            "127.0.0.1",  # the demo stays on this machine: nothing listens on the network
             "--json",
             "--data-dir",
             str(tmp / p.name),

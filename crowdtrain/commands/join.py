@@ -34,10 +34,22 @@ def join(
         "--data-dir",
         help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID.",
     ),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address the peer server listens on."),
-    port: int = typer.Option(0, "--port", help="Port of the peer server (0: any free port)."),
+    host: str = typer.Option(
+        "0.0.0.0",
+        "--host",
+        help="Interface the peer server and BitTorrent listen on (default: every interface).",
+    ),
+    port: int = typer.Option(
+        0, "--port", help="TCP port of the peer server (averaging, state); 0: any free."
+    ),
+    bt_port: int = typer.Option(0, "--bt-port", help="TCP port of BitTorrent; 0: any free."),
     advertise: str | None = typer.Option(
-        None, "--advertise", help="Host other peers reach this one at (default: --host)."
+        None,
+        "--advertise",
+        metavar="HOST[:PORT]",
+        help="Where others reach the peer server (port forwarding, a relay). Default: the address the "
+        "tracker sees this machine at, with --port.",
+        show_default=False,
     ),
     client_mode: bool = typer.Option(
         False, "--client-mode", help="Behind NAT: declare no address, own no all-reduce part, only send."
@@ -67,7 +79,8 @@ def join(
         device=device,
         host=host,
         port=port,
-        advertise_host=advertise,
+        bt_port=bt_port,
+        advertise=advertise,
         client_mode=client_mode,
         max_batch=max_batch,
         max_steps=max_steps,

@@ -13,6 +13,18 @@ def _rate(x: float) -> str:
     return f"{x:,.1f}/s"
 
 
+def _reach(p) -> str:  # p: PeerStatus
+    if p.address is None:
+        return "client mode (declared no address)"
+    if p.reachable:
+        return f"reachable at {p.address}"
+    return f"not reachable at {p.address} (client mode)"
+
+
+def _bt(p) -> str:
+    return {True: "reachable", False: "closed", None: "-"}[p.bt_reachable]
+
+
 def format_status(status) -> str:  # status: RunStatus
     lines = [
         f"run {status.run_id} ({status.name})",
@@ -22,13 +34,17 @@ def format_status(status) -> str:  # status: RunStatus
         f"  peers online  {status.peers_online}",
         f"  throughput    {_rate(status.samples_per_s)} samples",
     ]
+    if status.notice:
+        lines.append(f"  notice        {status.notice}")
     if status.peers:
         lines.append("  peers:")
-        lines.append(f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'mode':<8} {'chunks':>6}")
+        lines.append(
+            f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'chunks':>6}  {'bittorrent':<10}  averaging"
+        )
         for p in status.peers:
-            mode = "client" if p.client_mode else "server"
             lines.append(
-                f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12} {mode:<8} {p.chunks_held:>6}"
+                f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12} {p.chunks_held:>6}"
+                f"  {_bt(p):<10}  {_reach(p)}"
             )
     if status.recent_steps:
         lines.append("  recent steps:")

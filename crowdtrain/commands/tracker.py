@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 
 import typer
 
@@ -72,6 +73,50 @@ def serve_command(
     run_async(_serve(config))
 
 
+def this_machine_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses, one per interface that has one (Linux; else [])."""
+    import fcntl
+    import struct
+
+    found: list[str] = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return found
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:
+                packed = fcntl.ioctl(
+                    s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+                )  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            ip = socket.inet_ntoa(packed[20:24])
+            if not ip.startswith("127.") and ip not in found:
+                found.append(ip)
+    return found
+
+
+def address_lines(config, tracker) -> list[str]:
+    """What a publisher needs to tell others: URLs they can use (not 0.0.0.0), and the announce URL."""
+    if config.host not in ("0.0.0.0", "::", "") or config.public_url:
+        return [f"tracker listening on {tracker.url}", f"announce URL: {tracker.announce_url}"]
+    lines = [f"tracker listening on every interface, port {tracker.port}; on this machine: {tracker.url}"]
+    others = [f"http://{ip}:{tracker.port}" for ip in this_machine_addresses()]
+    if others:
+        lines.append(
+            f"others reach it at: {', '.join(others)} (or pass --public-url if they come another way)"
+        )
+    else:
+        lines.append(
+            "this machine has no network address but loopback; pass --public-url with the URL others use"
+        )
+    lines.append(
+        f"announce URL: {tracker.announce_url.replace(tracker.url, others[0]) if others else tracker.announce_url}"
+    )
+    return lines
+
+
 async def _serve(config) -> None:  # config: TrackerConfig
     from crowdtrain.tracker.server import serve
 
@@ -81,8 +126,8 @@ async def _serve(config) -> None:  # config: TrackerConfig
         loop.add_signal_handler(sig, stop.set)
     try:
         async with serve(config) as tracker:
-            typer.echo(f"tracker listening on {tracker.url}")
-            typer.echo(f"announce URL: {tracker.announce_url}")
+            for line in address_lines(config, tracker):
+                typer.echo(line)
             typer.echo(f"admin token: {tracker.admin_token}")
             typer.echo(f"database: {config.db}")
             await stop.wait()

@@ -65,11 +65,40 @@ def round_trouble(r: ev.RoundDone, fmt_ids: Callable[[Sequence[str]], str] = _id
     return trouble
 
 
+def reachability(event: ev.Reachability) -> tuple[str, str]:
+    """One sentence: where the tracker reaches this machine for averaging and for BitTorrent, or why not
+    and what to do. Warning level when something the user did not ask for is unreachable."""
+    level = "info"
+    if event.asked_client_mode or event.address is None:
+        parts = [
+            "client mode (asked for): this machine sends its gradients and gets the average, owns no part and serves no state"
+        ]
+    elif event.reachable:
+        parts = [f"reachable for averaging at {event.address}"]
+    else:
+        port = event.address.rpartition(":")[2]
+        level = "warning"
+        parts = [
+            f"not reachable for averaging at {event.address} (the tracker could not connect), so this machine "
+            f"only sends, like --client-mode; open or forward TCP port {port} to it, or pass "
+            "--advertise HOST:PORT if others reach it at another address"
+        ]
+    if event.bt_reachable is True:
+        parts.append(f"BitTorrent peers can connect at {event.bt_address}")
+    elif event.bt_reachable is False and event.bt_address is not None:
+        port = event.bt_address.rpartition(":")[2]
+        parts.append(
+            f"BitTorrent port {port} is not reachable at {event.bt_address} (chunks still arrive over "
+            f"outgoing connections; to serve them to others, forward TCP {port} and pass --bt-port {port})"
+        )
+    return level, "; ".join(parts)
+
+
 def describe(event: ev.Event) -> tuple[str, str]:
     """The level (``info``, ``warning``, ``error``) and the human text of one event, without the time."""
     match event:
         case ev.Joined():
-            where = f"reachable at {event.address}" if event.address else "client mode"
+            where = f"peer server at {event.address}" if event.address else "client mode"
             return "info", (
                 f"joined run {event.run_name} ({event.run_id}) at {event.tracker} as {event.peer_id} "
                 f"on {event.device}, {where}; global step {event.global_step}, "
@@ -82,6 +111,12 @@ def describe(event: ev.Event) -> tuple[str, str]:
                 f"collaboration at step {event.global_step}: {event.samples}/{event.target} samples, "
                 f"{event.peers_online} peers online, {fmt_speed(event.samples_per_s)}{eta}{unreachable}"
             )
+        case ev.Reachability():
+            return reachability(event)
+        case ev.RunNotice():
+            if event.message is None:
+                return "info", "the tracker reports no run-wide problem any more"
+            return "warning", event.message
         case ev.PhaseChanged():
             return "info", f"phase: {event.phase}"
         case ev.StepDone():

@@ -156,13 +156,21 @@ def header(state: ViewState, now: float | None) -> Panel:
         part(0, "peer", state.peer_id, "bold cyan")
         part(0, "tracker", state.tracker)
         part(1, "device", state.device)
-        part(1, "reachable at" if state.address else "mode", state.address or "client (sends only)")
+        if state.address is None:
+            part(1, "mode", "client (sends only)")
+        else:
+            label = {True: "reachable at", False: "not reachable at"}.get(state.reachable, "address")
+            part(1, label, state.address)
         part(1, "up", fmt_uptime(state.uptime(now)))
     else:
         lines[0].append("joining the run…", style="dim")
     part(1, "phase", state.phase, "bold magenta")
     if state.left_reason:
         part(1, "left", state.left_reason, "yellow")
+    if state.reach_text:
+        lines.append(Text(state.reach_text, style="yellow" if state.reach_level == "warning" else "dim"))
+    if state.notice:
+        lines.append(Text(f"run: {state.notice}", style="bold yellow"))
     title = f"crowdtrain · {state.run_name}" if state.run_name else "crowdtrain"
     return Panel(Group(*lines), title=title, title_align="left", border_style="bold blue")
 

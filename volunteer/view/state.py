@@ -58,6 +58,9 @@ class ViewState:
     run_samples_per_s: float = 0.0
     eta_s: float | None = None
     reachable: bool | None = None
+    reach_text: str | None = None  # the Reachability sentence
+    reach_level: str = "info"
+    notice: str | None = None  # a run-wide problem reported by the tracker
     recent_steps: tuple[RecentStep, ...] = ()
     steps_done: int = 0
     steps_missed: int = 0
@@ -204,6 +207,22 @@ def _progress(s: ViewState, e: ev.Progress) -> ViewState:
     )
 
 
+def _reachability(s: ViewState, e: ev.Reachability) -> ViewState:
+    level, text = describe(e)
+    return replace(
+        s,
+        address=e.address,
+        reachable=e.reachable,
+        reach_text=text,
+        reach_level=level,
+        log=_logged(s, e),
+    )
+
+
+def _notice(s: ViewState, e: ev.RunNotice) -> ViewState:
+    return replace(s, notice=e.message, log=_logged(s, e))
+
+
 def _phase(s: ViewState, e: ev.PhaseChanged) -> ViewState:
     return replace(s, phase=e.phase)
 
@@ -346,6 +365,8 @@ _HANDLERS: dict[type[ev.Event], Callable[[ViewState, ev.Event], ViewState]] = {
     ev.Joined: _joined,
     ev.Progress: _progress,
     ev.PhaseChanged: _phase,
+    ev.Reachability: _reachability,
+    ev.RunNotice: _notice,
     ev.StepDone: _step_done,
     ev.StepMissed: _step_missed,
     ev.LocalTraining: _local,

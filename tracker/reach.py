@@ -1,0 +1,176 @@
+"""Where a volunteer is reached, and whether it really is: the tracker's side of "reachability".
+
+* A volunteer declares its peer server as ``":PORT"`` (the default): the tracker fills in the address it
+  sees the request come from, as a BitTorrent tracker does with an announce. ``"HOST:PORT"`` (``join
+  --advertise``) is taken as given, except a loopback host sent from a non-loopback address, which nobody
+  else could use and is refused with a sentence. ``None`` is client mode.
+* The tracker checks a declared address off the request path with ``GET /v1/ping`` (which must answer this
+  peer's id), and the BitTorrent port the volunteer reports with a TCP connection; both at the first
+  heartbeat that names them, on a change, and while they fail, every ``RECHECK_S``.
+* A peer owns an all-reduce part only when its check answered; matchmaking never forms a group without a
+  part owner (see :mod:`crowdtrain.tracker.collab`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import time
+
+from aiohttp import ClientSession, ClientTimeout
+from crowdtrain.protocol.errors import ProtocolError
+from crowdtrain.tracker.collab import Peer, RunState
+
+log = logging.getLogger("crowdtrain.tracker")
+
+RECHECK_S = 10.0  # an unreachable address is checked again this often (on heartbeats)
+
+
+class AddressError(ProtocolError):
+    """A declared address that cannot be used (answered with 400)."""
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def resolve_address(address: str, remote: str | None) -> str:
+    """The ``host:port`` others reach a peer at, from what it declared and where its request came from.
+
+    An empty or unspecified host (``:PORT``, ``0.0.0.0:PORT``, ``[::]:PORT``) stands for ``remote``.
+    """
+    if len(address) > 300:
+        raise AddressError("address is longer than 300 characters")
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
+        raise AddressError(f"address {address!r} must be host:port with a port between 1 and 65535")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        if not remote:
+            raise AddressError(f"address {address!r} has no host and the connection's address is unknown")
+        host = f"[{remote}]" if ":" in remote else remote
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise AddressError(f"address {address!r} has an invalid host")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise AddressError(f"address {address!r}: write an IPv6 host in brackets, e.g. [::1]:8000")
+    if _is_loopback(host) and remote and not _is_loopback(remote):
+        raise AddressError(
+            f"address {address!r} is a loopback address, but this volunteer talks to the tracker from "
+            f"{remote}: other volunteers cannot reach it there; leave out --advertise (the tracker then uses "
+            f"{remote}) or advertise an address they can reach"
+        )
+    return f"{host}:{int(port_text)}"
+
+
+def host_of(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+class Checker:
+    """Runs the reachability checks of one tracker, at most ``concurrency`` at once."""
+
+    def __init__(self, timeout_s: float, concurrency: int, tasks: asyncio.TaskGroup) -> None:
+        self.timeout_s = timeout_s
+        self._tasks = tasks
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[asyncio.Task[None]] = set()
+        self._http: ClientSession | None = None
+
+    async def start(self) -> None:
+        self._http = ClientSession(timeout=ClientTimeout(total=self.timeout_s))
+
+    async def close(self) -> None:
+        for task in list(self._running):
+            task.cancel()
+        if self._http is not None:
+            await self._http.close()
+
+    def _spawn(self, coro) -> None:
+        task = self._tasks.create_task(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    # ------------------------------------------------------------ on every heartbeat
+
+    def update(
+        self, run: RunState, peer: Peer, address: str | None, bt_port: int | None, remote: str
+    ) -> None:
+        """Take what a join or heartbeat said of the peer's addresses; start the checks that are due."""
+        if address != peer.address:
+            peer.address = address
+            peer.reachable = peer.checked = False
+            peer.checks = 0
+        bt_address = None
+        if bt_port is not None:
+            host = host_of(address) if address is not None else (f"[{remote}]" if ":" in remote else remote)
+            bt_address = f"{host}:{bt_port}" if host else None
+        if bt_address != peer.bt_address:
+            peer.bt_address = bt_address
+            peer.bt_reachable = None
+            peer.bt_checked_at = 0.0
+        now = time.monotonic()
+        if (
+            peer.address is not None
+            and not peer.checking
+            and not peer.reachable
+            and (peer.checks < 2 or now - peer.checked_at >= RECHECK_S)
+        ):
+            peer.checking = True
+            peer.checks += 1
+            peer.checked_at = now
+            self._spawn(self._ping(run, peer, peer.address))
+        if (
+            peer.bt_address is not None
+            and not peer.bt_checking
+            and peer.bt_reachable is not True
+            and now - peer.bt_checked_at >= (0.0 if peer.bt_reachable is None else RECHECK_S)
+        ):
+            peer.bt_checking = True
+            peer.bt_checked_at = now
+            self._spawn(self._connect(run, peer, peer.bt_address))
+
+    # ------------------------------------------------------------ the checks
+
+    async def _ping(self, run: RunState, peer: Peer, address: str) -> None:
+        assert self._http is not None
+        ok = False
+        async with self._slots:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
+                        if resp.status == 200:
+                            body = await resp.content.read(4096)
+                            reply = json.loads(body)
+                            ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
+            except Exception as exc:  # any failure (refused, timeout, bad JSON) means unreachable
+                log.debug("peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
+        peer.checking = False
+        if peer.address == address and run.peers.get(peer.peer_id) is peer:
+            peer.reachable = ok
+            peer.checked = True
+            if not ok:
+                log.info(
+                    "peer %s declared %s but did not answer GET /v1/ping; client mode", peer.peer_id, address
+                )
+
+    async def _connect(self, run: RunState, peer: Peer, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        ok = False
+        async with self._slots:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+                ok = True
+            except (OSError, TimeoutError) as exc:
+                log.debug("BitTorrent port of peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
+        peer.bt_checking = False
+        if peer.bt_address == address and run.peers.get(peer.peer_id) is peer:
+            peer.bt_reachable = ok
