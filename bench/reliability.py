@@ -188,10 +188,10 @@ def render(records: list[dict], results: dict[str, list[tuple[str, str, str]]]) 
         "- A part owner that dies after answering some senders but not others leaves the group split for "
         "that part (some applied the mean, the others skipped it); parameter averaging "
         "(`average_state_every`) brings them back together.",
-        "- A volunteer that misses a step (it joined late, or was not ready in time) carries its samples "
-        "into the next step and, within the run's `state_lag_tolerance`, goes on from parameters one step "
-        "behind the group's until the next parameter averaging or state fetch (DeDLOC's trade-off; the "
-        "`--advertise` process test allows such a missed step).",
+        "- A volunteer that misses a step (it joined late, or was not ready in time) drops what it "
+        "accumulated (computed on parameters the others have left: no gradient outlives its parameters) "
+        "and fetches the state, taking part with weight 0 meanwhile (the `--advertise` process test "
+        "allows such a missed step).",
         "- `tc netem` needs the kernel's `sch_netem` module; where it is missing (as on the development VM) "
         "that variant is skipped with that reason and only the `tbf` (slow link) variant runs.",
         "",

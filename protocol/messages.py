@@ -30,7 +30,8 @@ Version = Literal[1]
 # What peers exchange directly (tensor frames, the all-reduce and state routes). Builds of different peer
 # protocols cannot average together, so the tracker admits only volunteers that speak its own. 2: frames
 # with XXH3-64 checksums and stored bodies (a build without ``peer_protocol`` in its JoinRequest speaks 1).
-PEER_PROTOCOL = 2
+# 3: a step's all-reduce runs in phases, so every group ends with the one mean of all (GroupAssignment.phase).
+PEER_PROTOCOL = 3
 CodecName = Literal["none", "fp16", "bf16", "int8"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -77,7 +78,9 @@ class AveragingSpec(Message, kw_only=True):
     step_timeout_s: float = 60.0  # a step closes this long after it opened even below the target
     clip_multiple: float = 5.0  # contributions with norm > this × the group's median norm are clipped
     average_state_every: int = 10  # parameter averaging every this many global steps; 0 = never
-    state_lag_tolerance: int = 2  # a peer further behind than this fetches the state
+    # accepted for older run specs and ignored: a peer that missed a step always drops its
+    # accumulation and fetches the state (no gradient outlives its parameters)
+    state_lag_tolerance: int = 2
     subframe_elements: int = 1 << 20  # values per sub-frame when a part is streamed
 
 
@@ -216,6 +219,7 @@ class Heartbeat(Message, kw_only=True):
     chunks_held: int = 0
     loss: float | None = None
     bt_port: int | None = None  # the port its BitTorrent session listens on (the tracker checks it)
+    computing: bool = True  # False: what it computes does not count now (catching up, or no chunk yet)
 
 
 class HeartbeatReply(Message, kw_only=True):
@@ -233,6 +237,9 @@ class HeartbeatReply(Message, kw_only=True):
     bt_address: str | None = None  # where the tracker tried this peer's BitTorrent port
     bt_reachable: bool | None = None  # None: not checked (yet)
     notice: str | None = None  # a run-wide problem, in one sentence, e.g. no reachable volunteer
+    # how many samples this peer may accumulate for ``global_step``: its share of the target, by rate
+    # (tracker/collab.py, RunState._allot); None while the step is closed or the peer is not at it
+    allotment: int | None = None
 
 
 class StepWatch(Message, kw_only=True):
@@ -276,6 +283,9 @@ class GroupAssignment(Message, kw_only=True):
     average_params: bool  # after the optimizer step, average parameters in the same group
     deadline: float  # unix seconds; the round is over at this time whatever happened
     seed: int  # the seed the tracker drew this partition with (recorded in the step history)
+    phase: int = 0  # which phase of the step's all-reduce (tracker/matchmaking.py: plan)
+    phases: int = 1  # how many phases the step's all-reduce has: after the last, everyone holds one mean
+    step_samples: int = 0  # the samples of every ready peer of the step: what the mean stands for
     signature: str  # hex, the tracker's Ed25519 signature over the fields above
 
 
@@ -287,7 +297,8 @@ class ReadyReply(Message, kw_only=True):
     # open: no group could be formed (no reachable peer was ready); the step is open again: keep
     # accumulating and call again when a heartbeat says it closed.
     global_step: int
-    assignment: GroupAssignment | None = None
+    assignment: GroupAssignment | None = None  # the first phase this peer is in
+    later_phases: list[GroupAssignment] = []  # its groups in the later phases, in order
     retry_after_s: float = 0.0
 
 

@@ -31,8 +31,8 @@ from tests.netns import Host, Network, requires_netns
 pytestmark = [requires_netns, pytest.mark.slow, pytest.mark.timeout(400)]
 
 PORT = 8470  # the README's port: each host is its own machine, nothing else listens there
-STEPS = 20  # volunteers leave once the run reaches this step (--max-steps)
 LATE_AT = 3  # the late volunteer starts once the run reached this step
+LATE_STEPS = 10  # and everyone is stopped once it took this many
 RUN_TOML = """\
 name = "across hosts"
 target_batch_size = 256
@@ -200,13 +200,14 @@ def reachability(v: Cli) -> dict:
     return v.of("Reachability")[0]
 
 
-def steps_taken(v: Cli) -> tuple[int, int]:
-    """(steps this volunteer applied, steps of the run while it was in it) — the late one counts from the
-    step it was at once the fetched state was loaded (the steps before it were loaded or replayed)."""
-    done = [e["step"] for e in v.of("StepDone")]
+def steps_taken(v: Cli, end: int) -> tuple[int, int]:
+    """(steps this volunteer applied, steps of the run while it was in it), counting steps before ``end``
+    (the run's step when the volunteers were stopped: the step in flight then does not count). The late
+    one counts from the step it was at once the fetched state was loaded (it loaded or replayed those)."""
+    done = [e["step"] for e in v.of("StepDone") if e["step"] < end]
     joined_at = v.of("Joined")[0]["global_step"]
     start = min(done) if v.of("StateLoaded") and done else joined_at
-    return len(done), STEPS - start
+    return len(done), end - start
 
 
 def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) -> None:
@@ -214,20 +215,23 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) ->
     # having made the tracker serve the data set
     pub = Published(net, tmp, seed_with_token=not client_mode)
     names = ["v1", "v2", "v3", "v4"]
-    flags = {n: ["--max-steps", str(STEPS)] + (["--client-mode"] if n in client_mode else []) for n in names}
+    flags = {n: ["--client-mode"] if n in client_mode else [] for n in names}
     vols = {n: pub.join(net.hosts[n], tmp, *flags[n]) for n in names[:3]}
     try:
         vols["v1"].wait_for(f"global step {LATE_AT}", lambda: global_step(vols["v1"]) >= LATE_AT, 180)
         vols["v4"] = pub.join(net.hosts["v4"], tmp, *flags["v4"])
-        vols["v4"].wait_for("a step of the late volunteer", lambda: vols["v4"].of("StepDone"), 180)
+        late = vols["v4"]
+        late.wait_for(
+            f"{LATE_STEPS} steps of the late volunteer", lambda: len(late.of("StepDone")) >= LATE_STEPS, 180
+        )
         status = pub.status(net.hosts["v4"])
-        for n, v in vols.items():
-            assert v.finish(240) == 0, f"{n}:\n{v.tail()}"
+        end = int(re.search(r"global step\s+(\d+)", status).group(1))
     finally:
-        for v in vols.values():
-            v.interrupt(30)
+        # Ctrl-C, as a volunteer leaves: the last-started first, so the one server of (b) leaves last
+        codes = {n: vols[n].interrupt(30) for n in reversed(list(vols))}
         pub.stop()
     pub.check_stopped()
+    assert codes == {n: 130 for n in vols}, {n: vols[n].tail() for n in vols}
 
     ids = {n: v.of("Joined")[0]["peer_id"] for n, v in vols.items()}
     for n, v in vols.items():
@@ -238,17 +242,19 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) ->
         else:
             assert reach["address"].startswith(net.hosts[n].ip + ":") and reach["reachable"] is True, reach
         assert reach["bt_address"].startswith(net.hosts[n].ip + ":") and reach["bt_reachable"] is True, reach
-        taken, present = steps_taken(v)
+        taken, present = steps_taken(v, end)
         assert present > 0 and taken >= 0.9 * present, f"{n} took {taken} of {present} steps:\n{v.tail()}"
-        assert not v.of("RoundFailed"), v.of("RoundFailed")
+        # no round failed while the run was going (one in flight when they were stopped may)
+        assert not [e for e in v.of("RoundFailed") if e["step"] < end], v.of("RoundFailed")
     # chunks passed between volunteers: some volunteer uploaded data set bytes (only volunteers download)
     uploaded = {n: max((e["uploaded"] for e in v.of("TorrentStats")), default=0) for n, v in vols.items()}
     assert any(uploaded.values()), uploaded
     # the late one loaded the state from donors on other hosts
-    [loaded] = vols["v4"].of("StateLoaded")
+    # (a second fetch happens when steps passed unseen while the first one downloaded)
+    loads = vols["v4"].of("StateLoaded")
     host_of = {ids[n]: net.hosts[n].ip for n in names[:3] if n not in client_mode}  # the serving ones
-    assert loaded["donors_used"], loaded
-    for donor in loaded["donors_used"]:  # "PEER_ID at HOST:PORT"
+    assert loads and all(loaded["donors_used"] for loaded in loads), loads
+    for donor in (d for loaded in loads for d in loaded["donors_used"]):  # "PEER_ID at HOST:PORT"
         peer_id, _, address = donor.partition(" at ")
         assert peer_id in host_of and address.startswith(host_of[peer_id] + ":"), (donor, host_of)
     # `crowdtrain status` lists every peer's reachability
@@ -277,7 +283,7 @@ def test_a_run_with_no_reachable_volunteer_waits_and_says_why(tmp_path):
         vols = {n: pub.join(net.hosts[n], tmp_path, "--client-mode") for n in ("v1", "v2", "v3")}
         try:
             for v in vols.values():
-                # each accumulates past the run's target (256 samples), and is told why nothing happens
+                # together they accumulate the run's target (256 samples), and each is told why nothing happens
                 v.wait_for(
                     "the no-reachable-volunteer notice",
                     lambda v=v: any(
@@ -287,10 +293,11 @@ def test_a_run_with_no_reachable_volunteer_waits_and_says_why(tmp_path):
                 )
             for v in vols.values():
                 v.wait_for(
-                    "200 samples accumulated",
-                    lambda v=v: any(e["samples"] >= 200 for e in v.of("LocalTraining")),
+                    "the run's target accumulated",
+                    lambda v=v: any(e["samples"] >= 256 for e in v.of("Progress")),
                     120,
                 )
+            time.sleep(3)  # and the step still does not close
             status = pub.status(net.hosts["v1"])
         finally:
             codes = {n: v.interrupt() for n, v in vols.items()}

@@ -55,7 +55,17 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
         bad = vols[2]
         await until(lambda: bad.trainer is not None, 60, "the poisoned volunteer's trainer")
         honest_grad = bad.trainer.flat_grad
-        bad.trainer.flat_grad = lambda: POISONS[poison](honest_grad())
+        poisoned: set[int] = set()  # steps it sent a poisoned copy in
+
+        def poisoned_grad():
+            # it attacks once everyone computes (from step 1: at step 0 a volunteer that got data first may
+            # be allotted the whole batch) and when its copy carries weight
+            if bad.step == 0 or bad.trainer.samples == 0:
+                return honest_grad()
+            poisoned.add(bad.step)
+            return POISONS[poison](honest_grad())
+
+        bad.trainer.flat_grad = poisoned_grad
         try:
             summaries = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 150)
         finally:
@@ -63,8 +73,20 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
             await asyncio.wait_for(asyncio.gather(tasks[2], return_exceptions=True), 60)
 
     bad_id = bad.peer_id
-    rounds = [[e for e in seen[i] if isinstance(e, ev.RoundDone) and e.kind == "grad"] for i in range(2)]
-    with_bad = [r for rs in rounds for r in rs if bad_id in r.members]
+    # an owner compares a copy with the other weighted copies (clipping needs two): rounds where the honest
+    # owner contributed nothing itself (start-up: its share of the step was 0) cannot be judged here
+    contributed = [
+        {e.step: e.contributed_samples for e in seen[i] if isinstance(e, ev.StepDone)} for i in range(2)
+    ]
+    rounds = [
+        [
+            e
+            for e in seen[i]
+            if isinstance(e, ev.RoundDone) and e.kind == "grad" and contributed[i].get(e.step)
+        ]
+        for i in range(2)
+    ]
+    with_bad = [r for rs in rounds for r in rs if bad_id in r.members and r.step in poisoned]
     assert with_bad, "the poisoned volunteer was never grouped with the others"
     # Wherever an honest volunteer owned a part, the poisoned copy was refused or clipped, never averaged in.
     owned = [r for r in with_bad if r.my_part >= 0]

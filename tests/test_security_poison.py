@@ -68,7 +68,8 @@ class Hostile(Volunteer):
             g = flat_grad()
             size["n"] = g.size
             mode = self.mode()
-            self.sent[self.step] = mode
+            if trainer.samples > 0:  # with weight 0 (its share of the step was 0) it sends no values
+                self.sent[self.step] = mode
             if mode == "nan":
                 g[::97] = np.nan
             elif mode == "scale":

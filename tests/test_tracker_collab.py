@@ -81,7 +81,8 @@ async def test_step_closes_at_the_target_and_ready_peers_get_signed_groups(track
     assert status.global_step == 1
     assert status.samples == 0  # nobody heartbeated step 1 yet
     [record] = status.recent_steps
-    assert (record.step, record.samples, record.peers, record.groups, record.seed) == (0, 30, 3, 1, a.seed)
+    # credited with the weights the ready peers averaged (10 + 11 + 12), not the heartbeats' 30
+    assert (record.step, record.samples, record.peers, record.groups, record.seed) == (0, 33, 3, 1, a.seed)
     async with aiohttp.ClientSession() as s, s.get(tracker.url + "/metrics") as r:
         metrics = await r.text()
     assert "crowdtrain_tracker_steps_total 1.0" in metrics
@@ -290,3 +291,33 @@ async def test_a_round_whose_part_owner_left_is_not_formed_and_the_step_opens_ag
     status = await client.status(run_id)
     assert status.global_step == 0 and not status.recent_steps
     assert "no reachable volunteer" in (await a.heartbeat(0, 10)).notice
+
+
+async def test_a_contributor_still_in_its_micro_batch_is_waited_for_past_gather(client):
+    """Regression (issue 13): with a micro-batch longer than the gather window, a contributor said "ready"
+    after the round had formed without it, and steps closed into rounds its samples never reached."""
+    run_id = await new_run(client, target=40, gather_s=0.2)
+    fast, slow = await joined(client, run_id, 2)
+    await fast.heartbeat(0, 20, samples_per_s=100.0)
+    assert (await slow.heartbeat(0, 20, samples_per_s=4.0)).step_closed  # 8 samples a micro-batch: 2 s
+    early = asyncio.create_task(fast.ready(0, 20))
+    await asyncio.sleep(1.0)  # far past gather_s
+    assert not early.done()  # still waiting for the slow contributor
+    late = await slow.ready(0, 20)
+    assert late.status == "group" and (await early).assignment == late.assignment
+    [record] = (await client.status(run_id)).recent_steps
+    assert record.samples == 40 and record.peers == 2
+
+
+async def test_no_round_is_formed_from_peers_that_computed_nothing(client):
+    run_id = await new_run(client, target=10, gather_s=0.1)
+    idle, worker = await joined(client, run_id, 2)
+    await idle.heartbeat(0, 0)
+    assert (await worker.heartbeat(0, 10)).step_closed
+    waiting = asyncio.create_task(idle.ready(0, 0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # the contributor is on its way: no empty round
+    await worker.leave()  # and then it is gone: the step opens again instead of stepping on nothing
+    reply = await asyncio.wait_for(waiting, 5)
+    assert (reply.status, reply.global_step) == ("open", 0)
+    assert not (await client.status(run_id)).recent_steps

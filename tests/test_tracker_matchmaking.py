@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
+from fractions import Fraction
 
 import pytest
-from crowdtrain.tracker.matchmaking import Candidate, partition
+from crowdtrain.tracker.matchmaking import Candidate, partition, plan
 
 
 def check_partition(candidates, g, seed):
@@ -67,3 +69,65 @@ def test_no_reachable_peer_at_all_gives_groups_without_parts():
 
 def test_empty_input_gives_no_groups():
     assert partition([], 4, 0) == []
+
+
+# ------------------------------------------------------------ the phases of one mean across all groups
+
+
+def run_plan(candidates, g, seed, values):
+    """Apply the plan's phases to exact values: every group's members get its weighted mean."""
+    phases = plan(candidates, g, seed)
+    for i, groups in enumerate(phases):
+        members = [m for grp in groups for m in grp.members]
+        assert len(members) == len(set(members)), f"a peer twice in phase {i}"
+        if i == 0:
+            assert sorted(members) == sorted(c.peer_id for c in candidates)
+        new = dict(values)
+        for grp in groups:
+            assert grp.owners and set(grp.owners) <= set(grp.members)
+            total = sum(grp.weights)
+            if total:
+                mean = sum(w * values[p] for p, w in zip(grp.members, grp.weights, strict=True)) / total
+                new.update(dict.fromkeys(grp.members, mean))
+        values = new
+    return phases, values
+
+
+@pytest.mark.parametrize("g", [2, 3, 4, 8])
+def test_every_peer_ends_with_the_one_weighted_mean_of_all(g):
+    for n in range(1, 41):
+        for seed, share_reachable in enumerate((1.0, 0.3)):
+            rng = random.Random(1000 * g + n)
+            candidates = [
+                Candidate(f"p{i:02d}", i == 0 or rng.random() < share_reachable, rng.randint(0, 40))
+                for i in range(n)
+            ]
+            values = {c.peer_id: Fraction(rng.randint(-999, 999)) for c in candidates}
+            total = sum(c.weight for c in candidates)
+            _, out = run_plan(candidates, g, seed, values)
+            if total:
+                exact = sum(c.weight * values[c.peer_id] for c in candidates) / total
+                assert set(out.values()) == {exact}, (g, n, seed)
+
+
+@pytest.mark.parametrize(("n", "g", "sizes"), [(8, 2, [[2] * 4] * 3), (16, 4, [[4] * 4] * 2), (32, 4, None)])
+def test_full_grids_use_groups_of_g_in_log_g_n_phases(n, g, sizes):
+    phases = plan([Candidate(f"p{i:02d}", True, 5) for i in range(n)], g, 7)
+    got = [sorted(len(grp.members) for grp in groups) for groups in phases]
+    if sizes is not None:
+        assert got == sizes
+    assert max(max(s) for s in got) <= g
+    assert len(phases) == math.ceil(math.log(n, g) - 1e-9)
+
+
+def test_groups_exceed_g_by_at_most_one_when_everyone_is_reachable():
+    for g in (2, 3, 4):
+        for n in range(1, 50):
+            phases = plan([Candidate(f"p{i:02d}", True, 1) for i in range(n)], g, n)
+            assert max(len(grp.members) for groups in phases for grp in groups) <= g + 1, (g, n)
+
+
+def test_a_plan_is_reproducible_from_its_seed():
+    candidates = [Candidate(f"p{i:02d}", i % 3 == 0, i) for i in range(20)]
+    assert plan(candidates, 4, 11) == plan(candidates, 4, 11)
+    assert plan(candidates, 4, 11) != plan(candidates, 4, 12)

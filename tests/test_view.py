@@ -114,7 +114,7 @@ def script() -> list[ev.Event]:
             failed_parts=(1,),
         ),
         ev.StepDone(t=T0 + 16, step=41, lr=3e-4, contributed_samples=96, group_samples=256, step_time_s=6.4),
-        ev.StepMissed(t=T0 + 30, step=42, now_step=44, kept_samples=48),
+        ev.StepMissed(t=T0 + 30, step=42, now_step=44, dropped_samples=48),
         ev.RoundFailed(t=T0 + 31, round_id="rd-44", step=44, reason="group had 1 member"),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
         ev.StateServed(t=T0 + 33, step=41, content_hash="99aa88bb77cc66dd", size=8_000_000),
@@ -173,9 +173,9 @@ def test_render_shows_each_panels_figures():
         # local training
         "loss 3.9876 █▁",
         "speed 12.8 samples/s",
-        "this step 48 samples",
+        "this step 0 samples",  # the missed step dropped its 48,
         "my share 38% (last 1 step)",
-        "steps 1 done, 1 missed",
+        "steps 1 done, 1 missed (48 dropped)",
         "lr 0.0003",
         # data set
         "12/40",
@@ -392,7 +392,10 @@ def expected_plain() -> list[str]:
             "7.5× compression; dropped p-bob; clipped p-alice; failed parts 1",
         ),
         (16, "step 41 done: 96/256 samples from this machine (38%), lr 0.0003, 6.40 s"),
-        (30, "WARNING missed step 42 (collaboration at 44); 48 samples carried into the next step"),
+        (
+            30,
+            "WARNING missed step 42 (collaboration at 44); 48 samples dropped (computed on that step's parameters); fetching the state",
+        ),
         (31, "WARNING round rd-44 for step 44 failed: group had 1 member"),
         (32, "WARNING tracker answered slowly (2.1 s)"),
         (33, "serving state of step 41 (99aa88bb77cc, 8.0 MB)"),

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.trainer import replay_reference
@@ -76,6 +77,56 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
     assert sum(len(b) for b in steps[0]) > 0
     reference = replay_reference(
         "tiny-gpt", TINY_GPT, spec.optimizer, spec.schedule, steps, by_volunteer=True, combine=group_mean
+    )
+    for step, expected in enumerate(reference, start=1):
+        np.testing.assert_allclose(
+            vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("n", "group_size"), [(8, 2), (16, 4)])
+async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(tmp_path, n, group_size):
+    """Several groups per step: the phases of the all-reduce (8 in groups of 2: three phases; 16 in groups
+    of 4: two) leave every volunteer with the one mean of all, so all hold bit-equal parameters after every
+    step, equal to a single process replaying every volunteer's samples; and each step holds the batch
+    the run asked for (each volunteer stops at its share of it)."""
+    steps, target = 4, 256
+    async with published_run(
+        tmp_path,
+        target_batch_size=target,
+        averaging={"codec": "none", "group_size": group_size, "clip_multiple": 0.0},
+    ) as run:
+        vols = volunteers(run, tmp_path, n, max_steps=steps)
+        summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 360)
+        async with TrackerClient(run.tracker.url) as client:
+            history = (await client.status(run.spec.run_id)).recent_steps
+    assert all(s.steps_done == steps for s in summaries), [s.steps_done for s in summaries]
+    assert sorted(r.step for r in history) == list(range(steps))
+    assert all(target <= r.samples <= 1.25 * target for r in history), [r.samples for r in history]
+    assert all(r.peers == n and r.groups == n // group_size for r in history)
+    for step in range(1, steps + 1):
+        first = vols[0].param_history[step]
+        for v in vols[1:]:
+            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
+    seq_len = run.spec.model.args["seq_len"]
+    per_step = [
+        [
+            [
+                (b.x, b.y)
+                for b in (
+                    Sampler.take(p, run.manifest, v.config.data_dir, seq_len)
+                    for p in v.recorded.get(step, [])
+                )
+            ]
+            for v in vols
+        ]
+        for step in range(steps)
+    ]
+    assert all(sum(len(b) for b in s) > 0 for s in per_step)
+    reference = replay_reference(
+        "tiny-gpt", TINY_GPT, run.spec.optimizer, run.spec.schedule, per_step, by_volunteer=True
     )
     for step, expected in enumerate(reference, start=1):
         np.testing.assert_allclose(

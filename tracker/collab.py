@@ -12,7 +12,11 @@ The rules volunteers rely on:
   once it closed.
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
   the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
-  passed, partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
+  passed — plus, for a contributor still computing, the time of one of its micro-batches
+  (``micro_batch_size / samples_per_s``), at most ``round_timeout_s``. A round is never formed from
+  ready peers that all have weight 0: the tracker waits for the contributors still on their way (at most
+  ``round_timeout_s`` after the close), then opens the step again. The history credits a step with the
+  samples of the ready peers it averaged. It partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
   :class:`GroupAssignment` per group, answers every waiting call, records the step in the durable
   history and advances ``global_step`` to N + 1.
 * A ready call for a step that already formed returns the same assignment to a member of it, and
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -50,7 +55,7 @@ from crowdtrain.protocol.messages import (
     StepRecord,
     StepWatch,
 )
-from crowdtrain.tracker.matchmaking import Candidate, partition
+from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.store import Store
 
 KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
@@ -75,6 +80,8 @@ class Peer:
     bt_reachable: bool | None = None  # None: not checked yet
     bt_checking: bool = False
     bt_checked_at: float = 0.0
+    computing: bool = True  # able to compute for the run (False: catching up, or no chunk yet)
+    allotted: int = 0  # samples it may accumulate for ``step`` (its share of the target)
     step: int = -1
     samples: int = 0
     samples_per_s: float = 0.0
@@ -100,12 +107,19 @@ class RunState:
         # would miss the step.
         self.quiet_until = self.opened_at + quiet_s
         self.closed_at: float | None = None
+        self.gather_until = 0.0  # after the close: how long ready calls are gathered
         self.step_samples = 0
         self.step_contributors = 0
         self.rate_sum = 0.0
+        self.idle_rate = 0.0  # Σ rate of peers at this step that stopped at their share (or catch up)
+        # peers computing (or on their way to this step) whose rate is known, and those whose is not yet
+        self.rated = 0
+        self.unrated = 0
+        # samples the peers at this step hold or were allotted: Σ max(allotted, samples); never above target
+        self.reserved = 0
         self.ready: dict[str, int] = {}
         self.pending: set[str] = set()
-        self.formed: OrderedDict[int, dict[str, GroupAssignment]] = OrderedDict()
+        self.formed: OrderedDict[int, dict[str, list[GroupAssignment]]] = OrderedDict()  # phase by phase
         self.changed = asyncio.Event()
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
@@ -121,19 +135,57 @@ class RunState:
 
     def _unaccount(self, peer: Peer) -> None:
         self.rate_sum -= peer.samples_per_s
+        if not (peer.step == self.global_step and not peer.computing):
+            self.rated -= peer.samples_per_s > 0
+            self.unrated -= peer.samples_per_s <= 0
         if peer.step == self.global_step:
+            if not peer.computing:
+                self.idle_rate -= peer.samples_per_s
             self.step_samples -= peer.samples
             self.step_contributors -= peer.samples > 0
+            self.reserved -= max(peer.allotted, peer.samples)
 
     def _account(self, peer: Peer) -> None:
         self.rate_sum += peer.samples_per_s
+        if not (peer.step == self.global_step and not peer.computing):
+            self.rated += peer.samples_per_s > 0
+            self.unrated += peer.samples_per_s <= 0
         if peer.step == self.global_step:
+            if not peer.computing:
+                self.idle_rate += peer.samples_per_s
             self.step_samples += peer.samples
             self.step_contributors += peer.samples > 0
+            self.reserved += max(peer.allotted, peer.samples)
+
+    def _allot(self, peer: Peer) -> int:
+        """How many samples ``peer`` may accumulate for this step (it is not accounted while this runs).
+
+        The target is shared out by rate: a peer's fair share is ``target × its rate ÷ computing_rate``. It
+        is allotted that, within what the others do not hold or were not allotted yet, and never less than
+        it holds; a peer that reached its allotment while samples are still free gets its share of those.
+        The allotments never sum above the target, so a step closes on exactly its target (or below it, on
+        its timeout)."""
+        if not peer.computing:
+            return peer.samples
+        free = self.target - self.reserved - peer.samples
+        if free <= 0:
+            return peer.samples
+        r = peer.samples_per_s
+        rated, unrated = self.rated + (r > 0), self.unrated + (r <= 0)
+        known = max(0.0, self.rate_sum - self.idle_rate) + max(r, 0.0)
+        total = known * (1 + unrated / rated) if rated else 0.0  # an unknown rate counts as the mean
+        share = r / total if r > 0 and total > 0 else 1 / max(1, rated + unrated)
+        fair = math.ceil(self.target * share)
+        more = max(fair - peer.samples, 0)
+        if peer.samples >= peer.allotted:  # at its allotment: a share of what is still free
+            more = max(more, math.ceil(free * share))
+        return peer.samples + min(free, max(more, peer.allotted - peer.samples, 0))
 
     def _recount(self) -> None:
         self.step_samples = self.step_contributors = 0
-        self.rate_sum = 0.0
+        self.rate_sum = self.idle_rate = 0.0
+        self.reserved = 0
+        self.rated = self.unrated = 0
         for peer in self.peers.values():
             self._account(peer)
 
@@ -173,7 +225,12 @@ class RunState:
         peer.samples_per_s = hb.samples_per_s
         peer.chunks_held = hb.chunks_held
         peer.loss = hb.loss
+        peer.computing = hb.computing
         peer.last_seen = time.monotonic()
+        if peer.step != self.global_step or self.closed_at is not None:
+            peer.allotted = 0
+        else:
+            peer.allotted = self._allot(peer)
         self._account(peer)
         if self.closed_at is not None and peer.step == self.global_step and peer.peer_id not in self.ready:
             self.pending.add(peer.peer_id)
@@ -203,12 +260,24 @@ class RunState:
                 return
             self.closed_at = now
             self._wake()
-            self.pending = {
-                p.peer_id
+            pending = [
+                p
                 for p in self.peers.values()
                 # peers of the previous step are on their way here (their heartbeat may lag the step)
                 if p.step in (self.global_step, self.global_step - 1) and p.peer_id not in self.ready
-            }
+            ]
+            self.pending = {p.peer_id for p in pending}
+            # a contributor says "ready" once its micro-batch in flight is done: wait that long for it
+            avg = self.spec.averaging
+            slowest = max(
+                (
+                    self.spec.micro_batch_size / p.samples_per_s
+                    for p in pending
+                    if p.step == self.global_step and p.samples > 0 and p.samples_per_s > 0
+                ),
+                default=0.0,
+            )
+            self.gather_until = now + min(avg.gather_s + slowest, avg.round_timeout_s)
             self.maybe_form(now)
 
     def _any_owner(self) -> bool:
@@ -227,7 +296,19 @@ class RunState:
     def maybe_form(self, now: float) -> None:
         if self.closed_at is None:
             return
-        if self.pending and now < self.closed_at + self.spec.averaging.gather_s:
+        if self.pending and now < self.gather_until:
+            return
+        if not any(w > 0 for pid, w in self.ready.items() if pid in self.peers):
+            # nobody who computed anything is ready: a round now would step on nothing. Wait for the
+            # contributors still on their way, for at most a round's timeout, then open the step again.
+            contributors = any(
+                self.peers[pid].samples > 0 and self.peers[pid].step == self.global_step
+                for pid in self.pending
+                if pid in self.peers
+            )
+            if contributors and now < self.closed_at + self.spec.averaging.round_timeout_s:
+                return
+            self._reopen()
             return
         self.form(now)
 
@@ -240,47 +321,55 @@ class RunState:
         step = self.global_step
         avg = self.spec.averaging
         seed = secrets.randbits(63)
-        candidates = [Candidate(pid, self._owns_part(pid)) for pid in self.ready if pid in self.peers]
+        candidates = [
+            Candidate(pid, self._owns_part(pid), self.ready[pid]) for pid in self.ready if pid in self.peers
+        ]
         if not any(c.reachable for c in candidates):
             self._reopen()
             return
-        groups = partition(candidates, avg.group_size, seed)
-        deadline = now + avg.round_timeout_s
+        phases = plan(candidates, avg.group_size, seed)
         average_params = avg.average_state_every > 0 and (step + 1) % avg.average_state_every == 0
-        assignments: dict[str, GroupAssignment] = {}
-        for index, group in enumerate(groups):
-            part_of = {pid: i for i, pid in enumerate(group.owners)}
-            members = [
-                GroupMember(
-                    peer_id=pid,
-                    address=self.peers[pid].address if pid in part_of else None,
-                    public_key=self.peers[pid].public_key,
-                    weight=self.ready[pid],
-                    part=part_of.get(pid, -1),
+        step_samples = sum(c.weight for c in candidates)
+        assignments: dict[str, list[GroupAssignment]] = {c.peer_id: [] for c in candidates}
+        for phase, groups in enumerate(phases):
+            deadline = now + avg.round_timeout_s * (phase + 1)  # phase by phase, each its own timeout
+            for index, group in enumerate(groups):
+                part_of = {pid: i for i, pid in enumerate(group.owners)}
+                members = [
+                    GroupMember(
+                        peer_id=pid,
+                        address=self.peers[pid].address if pid in part_of else None,
+                        public_key=self.peers[pid].public_key,
+                        weight=weight,
+                        part=part_of.get(pid, -1),
+                    )
+                    for pid, weight in zip(group.members, group.weights, strict=True)
+                ]
+                assignment = sign_assignment(
+                    self.signer,
+                    GroupAssignment(
+                        run_id=self.run_id,
+                        round_id=f"{self.run_id}.{step}.{phase}.{index}.{seed:016x}",
+                        step=step,
+                        members=members,
+                        parts=len(group.owners),
+                        average_params=average_params,
+                        deadline=deadline,
+                        seed=seed,
+                        phase=phase,
+                        phases=len(phases),
+                        step_samples=step_samples,
+                        signature="",
+                    ),
                 )
-                for pid in group.members
-            ]
-            assignment = sign_assignment(
-                self.signer,
-                GroupAssignment(
-                    run_id=self.run_id,
-                    round_id=f"{self.run_id}.{step}.{index}.{seed:016x}",
-                    step=step,
-                    members=members,
-                    parts=len(group.owners),
-                    average_params=average_params,
-                    deadline=deadline,
-                    seed=seed,
-                    signature="",
-                ),
-            )
-            for pid in group.members:
-                assignments[pid] = assignment
+                for pid in group.members:
+                    assignments[pid].append(assignment)
+        groups = phases[0]
         record = StepRecord(
             step=step,
             closed_at=self.closed_at if self.closed_at is not None else now,
             duration_s=max(0.0, now - self.opened_at),
-            samples=self.step_samples,
+            samples=step_samples,  # credited: the samples that were averaged
             peers=len(candidates),
             groups=len(groups),
             seed=seed,
@@ -346,9 +435,14 @@ class RunState:
                 self.reopened.discard(peer_id)
                 return ReadyReply(status="open", global_step=self.global_step, retry_after_s=0.0)
             if step < self.global_step:
-                assignment = self.formed.get(step, {}).get(peer_id)
-                if assignment is not None:
-                    return ReadyReply(status="group", global_step=self.global_step, assignment=assignment)
+                mine = self.formed.get(step, {}).get(peer_id)
+                if mine:
+                    return ReadyReply(
+                        status="group",
+                        global_step=self.global_step,
+                        assignment=mine[0],
+                        later_phases=mine[1:],
+                    )
                 return ReadyReply(status="missed", global_step=self.global_step)
             if step == self.global_step:
                 self.ready[peer_id] = weight

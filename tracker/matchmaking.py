@@ -1,6 +1,7 @@
-"""Partition the peers that are ready for a step into all-reduce groups (pure; no I/O).
+"""Plan a step's all-reduce: the groups of each phase, so every ready peer ends with the one weighted mean
+of all of them (pure; no I/O).
 
-Rules, in order of precedence:
+:func:`partition` draws the first phase's groups. Rules, in order of precedence:
 
 1. every ready peer is in exactly one group;
 2. a group must hold at least one reachable peer (a *part owner*); when there are fewer reachable peers
@@ -13,6 +14,19 @@ Rules, in order of precedence:
 4. reachable peers are spread over the groups round-robin, so each group gets its share of part owners;
 5. the partition is drawn from ``random.Random(seed)``: new every round, reproducible from the step
    history.
+
+:func:`plan` adds the later phases (Moshpit SGD's grid, made exact for any number of peers). After a
+phase, the members of each group hold the same values: a *node*, with the summed weight of its members.
+The next phase deals the nodes into clusters of at most G nodes; a cluster's nodes are averaged in
+*columns*, each holding at least one member of every node of the cluster, a member weighing its node's
+weight split over its node's members in that column. A column's weighted mean is then exactly the
+cluster's weighted mean, so after the phase the whole cluster is one node. The phases end when one node
+holds everyone: with n = G^k peers that is k phases of full groups (16 = 4·4: two phases of 4; 8 = 2·2·2:
+three phases of 2). How many clusters each phase makes is searched (a few choices per phase) for the
+fewest phases with groups of at most G; where no plan keeps every group at G (G = 2 with n odd, or
+scarce reachable peers) groups grow past G as little as found, and the weights keep the mean exact.
+Every group of every phase holds a part owner when any ready peer is reachable. Columns list their members
+node by node, so where the grid is full every column adds the same terms in the same order.
 """
 
 from __future__ import annotations
@@ -21,17 +35,27 @@ import math
 import random
 from dataclasses import dataclass
 
+MAX_LOOKAHEAD = 2  # cluster counts tried per phase beyond the fewest
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     peer_id: str
     reachable: bool
+    weight: int = 0  # samples it accumulated for the step
 
 
 @dataclass(frozen=True, slots=True)
 class Group:
     members: tuple[str, ...]
     owners: tuple[str, ...]  # members that own a part, part i = owners[i]
+    weights: tuple[int, ...] = ()  # each member's weight in this phase's mean, aligned with ``members``
+
+
+@dataclass(slots=True)
+class _Node:
+    members: list[str]
+    weight: int
 
 
 def partition(candidates: list[Candidate], group_size: int, seed: int) -> list[Group]:
@@ -52,8 +76,115 @@ def partition(candidates: list[Candidate], group_size: int, seed: int) -> list[G
     for i, peer_id in enumerate(reachable + others):  # round-robin: sizes differ by at most one
         buckets[i % k].append(peer_id)
     reachable_set = set(reachable)
+    weight = {c.peer_id: c.weight for c in candidates}
     groups = []
     for bucket in buckets:
         rng.shuffle(bucket)
-        groups.append(Group(tuple(bucket), tuple(p for p in bucket if p in reachable_set)))
+        groups.append(
+            Group(
+                tuple(bucket),
+                tuple(p for p in bucket if p in reachable_set),
+                tuple(weight[p] for p in bucket),
+            )
+        )
     return groups
+
+
+def plan(candidates: list[Candidate], group_size: int, seed: int) -> list[list[Group]]:
+    """The groups of every phase (the first is :func:`partition`'s); see the module docstring."""
+    first = partition(candidates, group_size, seed)
+    if not first:
+        return []
+    phases = [first]
+    reachable = {c.peer_id for c in candidates if c.reachable}
+    nodes = [_Node(list(g.members), sum(g.weights)) for g in first]
+    while len(nodes) > 1:
+        k = _best_k([len(n.members) for n in nodes], group_size)
+        if reachable:  # a cluster needs a part owner: no more clusters than nodes holding one
+            k = min(k, sum(any(p in reachable for p in n.members) for n in nodes))
+        # nodes holding a reachable peer first, then the largest: dealt round-robin over the clusters
+        order = sorted(nodes, key=lambda n: (not any(p in reachable for p in n.members), -len(n.members)))
+        clusters = [order[r::k] for r in range(k)]
+        groups: list[Group] = []
+        nodes = []
+        for cluster in clusters:
+            nodes.append(_Node([p for n in cluster for p in n.members], sum(n.weight for n in cluster)))
+            if len(cluster) > 1:  # a lone node's members hold the same values already: they sit it out
+                groups.extend(_columns(cluster, reachable))
+        phases.append(groups)
+    return phases
+
+
+def _columns(cluster: list[_Node], reachable: set[str]) -> list[Group]:
+    """Deal each node's members over the columns so every column holds ≥ 1 member of every node (and a
+    part owner, with fewer columns if owners are scarce); weights as in the module docstring, scaled to
+    whole numbers."""
+    owners = sum(p in reachable for n in cluster for p in n.members)
+    columns = max(1, min(min(len(n.members) for n in cluster), owners or 1))
+    while True:
+        cols: list[list[tuple[str, int]]] = [[] for _ in range(columns)]  # (peer, node index)
+        offset = 0  # each node's owners go on where the previous node's ended: owners spread out
+        for ni, node in enumerate(cluster):
+            members = sorted(node.members, key=lambda p: p not in reachable)
+            for j, p in enumerate(members):
+                cols[(offset + j) % columns].append((p, ni))
+            offset += sum(p in reachable for p in members) or len(members)
+        if columns == 1 or not reachable or all(any(p in reachable for p, _ in c) for c in cols):
+            break
+        columns -= 1
+    groups = []
+    for col in cols:
+        col.sort(key=lambda m: m[1])  # node by node: full-grid columns add the same terms in one order
+        counts: dict[int, int] = {}
+        for _, ni in col:
+            counts[ni] = counts.get(ni, 0) + 1
+        scale = math.lcm(*counts.values())
+        members = tuple(p for p, _ in col)
+        groups.append(
+            Group(
+                members,
+                tuple(p for p in members if p in reachable),
+                tuple(cluster[ni].weight * scale // counts[ni] for _, ni in col),
+            )
+        )
+    return groups
+
+
+def _deal(sizes: tuple[int, ...], k: int) -> list[list[int]]:
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    return [order[r::k] for r in range(k)]
+
+
+def _largest_column(node_sizes: list[int]) -> int:
+    columns = min(node_sizes)
+    counts = [0] * columns
+    offset = 0
+    for s in node_sizes:
+        for j in range(s):
+            counts[(offset + j) % columns] += 1
+        offset += s
+    return max(counts)
+
+
+def _best_k(sizes: list[int], group_size: int) -> int:
+    """How many clusters to deal these nodes into now: the fewest phases to one node with groups ≤ G,
+    else the smallest excess over G (a short search: a few cluster counts per phase)."""
+    memo: dict[tuple[int, ...], tuple[tuple[int, int], int]] = {}
+
+    def cost(sizes: tuple[int, ...]) -> tuple[tuple[int, int], int]:
+        if len(sizes) == 1:
+            return (0, 0), 1
+        if sizes not in memo:
+            kmin = math.ceil(len(sizes) / group_size)
+            best: tuple[tuple[int, int], int] | None = None
+            for k in range(kmin, min(len(sizes) - 1, kmin + MAX_LOOKAHEAD) + 1):
+                clusters = [[sizes[i] for i in cl] for cl in _deal(sizes, k)]
+                worst = max((_largest_column(c) for c in clusters if len(c) > 1), default=0)
+                (excess, phases), _ = cost(tuple(sorted((sum(c) for c in clusters), reverse=True)))
+                key = (max(excess, worst - group_size), phases + 1)
+                if best is None or key < best[0]:
+                    best = (key, k)
+            memo[sizes] = best or ((0, 1), 1)
+        return memo[sizes]
+
+    return cost(tuple(sorted(sizes, reverse=True)))[1]

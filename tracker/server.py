@@ -622,6 +622,7 @@ class Tracker:
                 bt_address=peer.bt_address,
                 bt_reachable=peer.bt_reachable,
                 notice=run.notice,
+                allotment=peer.allotted if peer.step == run.global_step and run.closed_at is None else None,
             )
         )
 

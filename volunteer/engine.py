@@ -68,6 +68,7 @@ LEAVE_TIMEOUT_S = 3.0
 STATS_INTERVAL_S = 1.0
 LOCAL_REPORT_S = 1.0
 WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
+IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step closed or needs more
 
 
 @dataclass(slots=True)
@@ -79,7 +80,7 @@ class Summary:
     last_step: int = 0
     steps_done: int = 0
     steps_missed: int = 0
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # its mean training loss of each step it took
     bytes_sent: int = 0
     raw_bytes: int = 0
     caught_up_to: int | None = None
@@ -139,6 +140,10 @@ class Volunteer:
         self._reply: HeartbeatReply | None = None
         self._reply_changed = asyncio.Event()
         self._heartbeat_now = asyncio.Event()  # set: send the next heartbeat now
+        self._quota: tuple[int, int] | None = None  # (step, samples to accumulate for it: the allotment)
+        self._quota_since = time.monotonic()  # when the last allotment arrived
+        self._step_loss = (0.0, 0)  # Σ loss × samples and samples of the micro-batches toward this step
+        self._at_quota = False  # stopped at its share of the step, waiting for the close
         self._stop = asyncio.Event()
         self._loss_ema: float | None = None
         self._samples_per_s = 0.0
@@ -150,7 +155,8 @@ class Volunteer:
         self._pending_state: asyncio.Task | None = None
         # While catching up: step -> (averaged gradient, averaged parameters or None), replayed on load.
         self._replay: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        self._mean_grad: np.ndarray | None = None  # the group's mean gradient, written every step
+        # the mean gradient lands in these, phase by phase, reused every step
+        self._mean_bufs: list[np.ndarray | None] = [None, None]
 
     # ------------------------------------------------------------------ plumbing
 
@@ -392,12 +398,17 @@ class Volunteer:
     # ------------------------------------------------------------------ tracker
 
     async def _heartbeat_once(self) -> None:
+        step = self.step
+        # while catching up its gradients are computed on parameters that are not the run's: none count
+        samples = 0 if self._pending_state is not None else self.trainer.samples
         reply = await self.tracker.heartbeat(
             self.config.run_id,
             Heartbeat(
                 peer_id=self.peer_id,
-                step=self.step,
-                samples=self.trainer.samples,
+                step=step,
+                samples=samples,
+                # what it computes counts: not catching up, holding a chunk
+                computing=self._pending_state is None and self.sampler.ready,
                 samples_per_s=self._samples_per_s,
                 address=self._declared,
                 chunks_held=self._chunks_held,
@@ -407,6 +418,7 @@ class Volunteer:
             self.key,
             self.credential,
         )
+        self._set_quota(reply, step)
         self._reply = reply
         self._reply_changed.set()
         self._told_reachability(reply)
@@ -421,6 +433,25 @@ class Volunteer:
                 reachable=reply.reachable,
             )
         )
+
+    def _set_quota(self, reply: HeartbeatReply, step: int) -> None:
+        """Keep the tracker's allotment for this step: this peer's share of the target, by rate. Every peer
+        stops at its allotment and reports at once, and the allotments never sum above the target, so the
+        step closes on exactly its target."""
+        if reply.global_step == step == self.step and reply.allotment is not None:
+            self._quota = (step, reply.allotment)
+            self._quota_since = time.monotonic()
+
+    def _quota_now(self) -> int | None:
+        """How many samples to accumulate for the current step; None: as many as it can (no allotment,
+        because the tracker has not answered for this step for two heartbeat intervals, or it catches up)."""
+        if self._pending_state is not None:
+            return None
+        if self._quota is not None and self._quota[0] == self.step:
+            return self._quota[1]
+        # a new step: wait (a round trip) for the allotment, unless the tracker is silent
+        silent = time.monotonic() - self._quota_since > 2 * self.heartbeat_interval
+        return None if silent else self.trainer.samples
 
     def _bt_port(self) -> int | None:
         if self.torrent is None:
@@ -446,8 +477,18 @@ class Volunteer:
                         "heartbeat failed (%s); training goes on and will report when it is back",
                         exc,
                     )
-            await self._sleep_until(self.heartbeat_interval, self._heartbeat_now)
+            await self._sleep_until(self._next_heartbeat_s(), self._heartbeat_now)
             self._heartbeat_now.clear()
+
+    def _next_heartbeat_s(self) -> float:
+        """The heartbeat interval, shorter near the end of a step (half its ETA, at least 0.1 s) and while
+        the run's rate is unknown, so shares and the close follow the run closely where it matters."""
+        reply = self._reply
+        if reply is None or reply.step_closed or reply.notice:
+            return self.heartbeat_interval
+        if reply.eta_s is None:
+            return min(self.heartbeat_interval, 0.25)
+        return min(self.heartbeat_interval, max(0.1, reply.eta_s / 2))
 
     async def _sleep_until(self, seconds: float, event: asyncio.Event) -> None:
         """Sleep ``seconds``, or less if ``event`` or the stop is set."""
@@ -484,7 +525,7 @@ class Volunteer:
         if self.step > 0 and cfg.catch_up:
             self._start_catch_up()
         micro = min(spec.micro_batch_size, cfg.max_batch or spec.micro_batch_size)
-        window_start, window_samples, micro_batches = time.monotonic(), 0, 0
+        micro_batches = 0
         last_report = 0.0
         phase = ""
         while not self._stop.is_set():
@@ -492,27 +533,48 @@ class Volunteer:
                 return
             if self._pending_state is not None and self._pending_state.done():
                 await self._switch_to_fetched_state()
-            want = (
-                "catching-up" if self._pending_state else "training" if self.sampler.ready else "downloading"
-            )
+            if self._pending_state:
+                want = "catching-up"
+            elif not self.sampler.ready:
+                want = "downloading"
+            else:
+                want = "waiting-for-step" if self._at_quota else "training"
             if want != phase:
                 phase = want
                 self._phase(phase)
-            if self.sampler.ready:
-                batch = self.sampler.batch(micro)
+            quota = self._quota_now()
+            if self.sampler.ready and quota is not None and self.trainer.samples >= quota:
+                # this peer's share of the step is computed: report it now and wait for the close (or a
+                # larger share, if the others fell short), asking again every IDLE_POLL_S
+                if not self._at_quota:
+                    self._at_quota = True
+                    self._heartbeat_now.set()
+                # (slowly while the tracker says the run cannot step: asking often would not help)
+                poll_s = self.heartbeat_interval if self._notice else IDLE_POLL_S
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reply_changed.wait(), poll_s)
+                if not self._reply_changed.is_set():
+                    self._heartbeat_now.set()
+                self._reply_changed.clear()
+            elif self.sampler.ready:
+                self._at_quota = False
+                n = micro if quota is None else min(micro, quota - self.trainer.samples)
+                batch = self.sampler.batch(n)
+                started = time.monotonic()
                 loss, n = await asyncio.to_thread(self.trainer.accumulate, batch.x, batch.y)
+                now = time.monotonic()
                 if self.record and self._pending_state is None:
                     self.recorded.setdefault(self.step, []).append(list(batch.provenance))
                 micro_batches += 1
-                window_samples += n
                 self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
-                now = time.monotonic()
-                if now - window_start >= 2.0:
-                    self._samples_per_s = window_samples / (now - window_start)
-                    window_start, window_samples = now, 0
+                self._step_loss = (self._step_loss[0] + loss * n, self._step_loss[1] + n)
+                # compute throughput (not counting waits), smoothed: what this peer's share is made of
+                rate = n / max(now - started, 1e-6)
+                self._samples_per_s = (
+                    rate if not self._samples_per_s else 0.8 * self._samples_per_s + 0.2 * rate
+                )
                 if now - last_report >= LOCAL_REPORT_S:
                     last_report = now
-                    self.summary.losses.append(loss)
                     self.emit(
                         ev.LocalTraining(
                             loss=loss,
@@ -535,26 +597,22 @@ class Volunteer:
             elif reply.global_step == self.step and reply.step_closed:
                 await self._average_and_step()
                 self._reply = None  # wait for a fresh view of the new step
+                self._at_quota = False
+                self._heartbeat_now.set()  # learn this peer's share of the new step at once
                 phase = ""
 
     def _fell_behind(self, global_step: int) -> None:
-        """The run moved on without this peer: fetch the state if too far behind, else carry on."""
-        tolerance = self.spec.averaging.state_lag_tolerance
-        lag = global_step - self.step
+        """The run moved on without this peer. Its accumulated gradients were computed on parameters the
+        others have left behind: they are dropped (no gradient outlives its parameters), and the peer
+        fetches the current state, taking part with weight 0 meanwhile."""
         if self._pending_state is None:
-            if lag > tolerance and self.config.catch_up:
-                self._note(
-                    logging.INFO,
-                    "%d steps behind the run (tolerance %d); fetching the current state",
-                    lag,
-                    tolerance,
-                )
+            dropped = self.trainer.samples
+            self.trainer.reset_accumulation()
+            self._step_loss = (0.0, 0)
+            self.emit(ev.StepMissed(step=self.step, now_step=global_step, dropped_samples=dropped))
+            self.summary.steps_missed += 1
+            if self.config.catch_up:
                 self._start_catch_up()
-            else:
-                self.emit(
-                    ev.StepMissed(step=self.step, now_step=global_step, kept_samples=self.trainer.samples)
-                )
-                self.summary.steps_missed += 1
         self.step = global_step
 
     async def _average_and_step(self) -> None:
@@ -564,22 +622,17 @@ class Volunteer:
         catching_up = self._pending_state is not None
         weight = 0 if catching_up else self.trainer.samples
         self._phase("waiting-for-group")
-        assignment = await self._await_group(step, weight)
-        if assignment is None:
+        phases = await self._await_group(step, weight)
+        if not phases:
             self._phase("catching-up" if catching_up else "training")
             return
         started = time.monotonic()
         self._phase("averaging")
         grad = await asyncio.to_thread(self.trainer.flat_grad)
-        # The mean lands in one buffer reused every step (the trainer copies it into .grad), except while
-        # catching up: those averages are kept for the replay.
-        out = None
-        if not catching_up:
-            if self._mean_grad is None or self._mean_grad.size != grad.size:
-                self._mean_grad = np.empty_like(grad)
-            out = self._mean_grad
         try:
-            result = await self.averager.allreduce(assignment, grad, float(weight), tag="grad", out=out)
+            # The mean lands in buffers reused every step (the trainer copies it into .grad), except while
+            # catching up: those averages are kept for the replay.
+            mean, failed = await self._allreduce_phases(phases, grad, "grad", reuse=not catching_up)
         except AveragingError as exc:
             self._note(
                 logging.WARNING,
@@ -592,30 +645,30 @@ class Volunteer:
             if self.config.catch_up:
                 self._start_catch_up()
             return
-        if result.failed_parts:
-            # The owner of these parts died or refused us: our local values there are ours alone, and
-            # applying them would set this peer apart from the rest of its group. Every member that lost
-            # the same owner skips the same slices, so the group stays equal.
-            bounds = part_bounds(result.values.size, assignment.parts)
-            for part in result.failed_parts:
-                result.values[bounds[part][0] : bounds[part][1]] = 0.0
+        if failed:
             self._note(
                 logging.WARNING,
-                "step %d: parts %s of the gradient were not averaged (their owner failed); skipping them",
+                "step %d: parts of the gradient were not averaged (their owner failed): %s; skipping them",
                 step,
-                list(result.failed_parts),
+                "; ".join(failed),
             )
-        group_samples = sum(m.weight for m in assignment.members)
+        group_samples = phases[0].step_samples or sum(m.weight for m in phases[0].members)
+        average_params = phases[0].average_params
         if catching_up:
-            params = await self._average_params(assignment, weight=0.0) if assignment.average_params else None
-            self._replay[step] = (result.values, params)
+            params = await self._average_params(phases) if average_params else None
+            self._replay[step] = (mean, params)
             self.step = step + 1
             self._phase("catching-up")
             return
         self._phase("stepping")
-        lr = await asyncio.to_thread(self.trainer.apply, result.values, step)
-        if assignment.average_params:
-            params = await self._average_params(assignment, weight=1.0 if weight > 0 else 0.0)
+        loss_sum, loss_n = self._step_loss
+        step_loss = loss_sum / loss_n if loss_n else None
+        self._step_loss = (0.0, 0)
+        if step_loss is not None:
+            self.summary.losses.append(step_loss)
+        lr = await asyncio.to_thread(self.trainer.apply, mean, step)
+        if average_params:
+            params = await self._average_params(phases)
             if params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
         self.step = step + 1
@@ -629,14 +682,45 @@ class Volunteer:
                 contributed_samples=weight,
                 group_samples=group_samples,
                 step_time_s=time.monotonic() - started,
+                loss=step_loss,
             )
         )
         if not self.config.client_mode and self.step % self.config.snapshot_every == 0:
             await self._publish_state()
         self._phase("training")
 
-    async def _await_group(self, step: int, weight: int) -> GroupAssignment | None:
-        """Long-poll the tracker until it forms this step's groups; None if this peer missed the step."""
+    async def _allreduce_phases(
+        self, phases: list[GroupAssignment], vector: np.ndarray, tag: str, *, reuse: bool
+    ) -> tuple[np.ndarray, list[str]]:
+        """Run the step's phases in order, each phase's mean the next one's input, with this peer's weight
+        in each; after the last, every peer of the step holds the same weighted mean. With ``reuse`` the
+        means land in two buffers kept between steps (a phase never writes the vector it reads).
+
+        A part whose owner failed keeps its local values, which are this peer's alone: they are zeroed, as
+        every member that lost the same owner does, so the group stays equal (the failures are returned,
+        one phrase each)."""
+        values, failed = vector, []
+        for i, a in enumerate(phases):
+            [me] = [m for m in a.members if m.peer_id == self.peer_id]
+            out = None
+            if reuse:
+                if self._mean_bufs[i % 2] is None or self._mean_bufs[i % 2].size != vector.size:
+                    self._mean_bufs[i % 2] = np.empty_like(vector)
+                out = self._mean_bufs[i % 2]
+            # a tag per phase: a lossy codec's error feedback stays within what each phase sends
+            phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
+            result = await self.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
+            if result.failed_parts:
+                bounds = part_bounds(result.values.size, a.parts)
+                for part in result.failed_parts:
+                    result.values[bounds[part][0] : bounds[part][1]] = 0.0
+                failed.append(f"phase {a.phase + 1} of {a.phases}, parts {list(result.failed_parts)}")
+            values = result.values
+        return values, failed
+
+    async def _await_group(self, step: int, weight: int) -> list[GroupAssignment]:
+        """Long-poll the tracker until it forms this step's groups: this peer's group in each phase, in
+        order; empty if this peer missed the step."""
         while not self._stop.is_set():
             try:
                 reply = await self.tracker.ready(
@@ -647,34 +731,38 @@ class Volunteer:
                 )
             except TrackerError as exc:
                 self._note(logging.WARNING, "could not ask the tracker for a group (%s); training on", exc)
-                return None
+                return []
             if reply.status == "group" and reply.assignment is not None:
-                verify_assignment(reply.assignment, self.spec.tracker_public_key)
-                return reply.assignment
+                phases = [reply.assignment, *reply.later_phases]
+                for a in phases:
+                    verify_assignment(a, self.spec.tracker_public_key)
+                    if a.step != step or self.peer_id not in (m.peer_id for m in a.members):
+                        raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
+                return phases
             if reply.status == "missed":
                 self._fell_behind(reply.global_step)
-                return None
+                return []
             if reply.status == "open":
                 # no reachable peer was ready: nothing was averaged; keep the accumulation and train on
                 self._reply = None
-                return None
+                return []
             await asyncio.sleep(reply.retry_after_s)
-        return None
+        return []
 
-    async def _average_params(self, assignment: GroupAssignment, weight: float) -> np.ndarray | None:
-        """Average parameters in the same group (heals drift between groups); None if nothing to use."""
-        if not any(m.weight > 0 for m in assignment.members):
-            return None
+    async def _average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
+        """Average parameters over the step's peers, in the same phases and with the same weights as the
+        gradient (a peer with weight 0, e.g. catching up, only receives): heals any drift. None if nothing
+        usable came back."""
         params = await asyncio.to_thread(self.trainer.flat_params)
         try:
-            result = await self.averager.allreduce(assignment, params, weight, tag="params")
+            values, failed = await self._allreduce_phases(phases, params, "params", reuse=False)
         except AveragingError as exc:
             self._note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
             return None
-        if result.failed_parts or not np.isfinite(result.values).all():
+        if failed or not np.isfinite(values).all():
             self._note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
             return None
-        return result.values
+        return values
 
     # ------------------------------------------------------------------ state
 
@@ -770,6 +858,7 @@ class Volunteer:
             if params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
         self.trainer.reset_accumulation()
+        self._step_loss = (0.0, 0)
         if self.step < loaded.step:
             self.step = loaded.step
         self.summary.caught_up_to = self.step

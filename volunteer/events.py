@@ -73,7 +73,7 @@ class RunNotice(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseChanged(Event):
-    phase: str  # "downloading", "catching-up", "training", "waiting-for-group", "averaging", "stepping", "leaving"
+    phase: str  # "downloading", "catching-up", "training", "waiting-for-step" (its share of the step is computed), "waiting-for-group", "averaging", "stepping", "leaving"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,13 +85,14 @@ class StepDone(Event):
     contributed_samples: int  # this peer's samples in that step
     group_samples: int  # the samples the averaged gradient stands for
     step_time_s: float
+    loss: float | None = None  # this peer's mean training loss over its micro-batches of the step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepMissed(Event):
     step: int
     now_step: int
-    kept_samples: int  # accumulation carried into the next step
+    dropped_samples: int  # accumulated on the parameters of ``step``: dropped, never averaged later
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -187,7 +187,7 @@ async def _run_volunteers(
             except (CrowdtrainError, ValueError):
                 continue
             p.state = apply(p.state, event)
-            if isinstance(event, ev.LocalTraining):
+            if isinstance(event, ev.StepDone) and event.loss is not None:  # its mean loss over the step
                 if len(p.first_losses) < 3:
                     p.first_losses.append(event.loss)
                 p.last_losses = [*p.last_losses[-2:], event.loss]

@@ -390,7 +390,7 @@ class Averager:
             red.finish()
 
     def _reduce_encode(
-        self, rnd: _Round, terms: list[tuple[np.ndarray, np.float32]], out: np.ndarray, a: int, b: int
+        self, rnd: _Round, terms: list[tuple[np.ndarray, np.float32, bool]], out: np.ndarray, a: int, b: int
     ) -> tuple[bytes, bytes | memoryview]:
         """Reduce values ``[a, b)`` of my part into ``out`` and encode them as one frame (call in a thread).
 

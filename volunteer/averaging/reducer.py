@@ -86,16 +86,19 @@ class PartReducer:
         self.complete.set()
         self.more.set()
 
-    def plan(self) -> tuple[list[tuple[np.ndarray, np.float32]], tuple[str, ...], str]:
+    def plan(self) -> tuple[list[tuple[np.ndarray, np.float32, bool]], tuple[str, ...], str]:
         """The terms of the weighted mean: (copy, factor) pairs, outliers clipped; once every copy is in.
 
         Returns the terms (empty when nothing with a weight arrived), the clipped members and, on failure,
         why. Clipping needs every member's norm, so no slice can be reduced before this.
         """
-        # Members in peer-id order, not arrival order: the fp32 sum is then the same whatever the network did.
+        # Members in the assignment's order, not arrival order: the fp32 sum is then the same whatever the
+        # network did, and the same in every group whose members the tracker listed alike (a full grid's
+        # columns), so those groups' means are bit for bit equal.
+        rank = {peer: i for i, peer in enumerate(self.members)}
         weighted = sorted(
             (c for c in self.contributions.values() if c.weight > 0 and c.values is not None),
-            key=lambda c: c.peer_id,
+            key=lambda c: (rank.get(c.peer_id, len(rank)), c.peer_id),
         )
         if not weighted:
             return [], (), "no contribution with a positive weight reached the part owner in time"
@@ -109,26 +112,28 @@ class PartReducer:
                     scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
                     clipped.append(c.peer_id)
         total = math.fsum(c.weight for c in weighted)
-        weighted.sort(key=lambda c: c.owned)  # my own copy (a view of the caller's vector) first
-        terms = [(c.values, np.float32(c.weight * scales[c.peer_id] / total)) for c in weighted]
+        terms = [(c.values, np.float32(c.weight * scales[c.peer_id] / total), c.owned) for c in weighted]
         return terms, tuple(sorted(clipped)), ""
 
     @staticmethod
-    def reduce_slice(terms: list[tuple[np.ndarray, np.float32]], a: int, b: int, out: np.ndarray) -> None:
+    def reduce_slice(
+        terms: list[tuple[np.ndarray, np.float32, bool]], a: int, b: int, out: np.ndarray
+    ) -> None:
         """Weighted mean in fp32 of values ``[a, b)`` of every term into ``out`` (in a thread).
 
         Element by element the same operations in the same order whatever the slicing, so a part reduced
-        slice by slice is bit for bit the part reduced at once.
+        slice by slice is bit for bit the part reduced at once. A term not ``owned`` is a view of the
+        caller's vector: it is never written.
         """
-        first = True
-        for values, factor in terms:
-            if first:  # the first term may be the caller's vector: never written
+        for i, (values, factor, owned) in enumerate(terms):
+            if i == 0:
                 np.multiply(values[a:b], factor, out=out)
-                first = False
-            else:  # a received copy: scale it in place, then add; no temporaries
+            elif owned:  # a received copy: scale it in place, then add; no temporaries
                 v = values[a:b]
                 v *= factor
                 out += v
+            else:  # my own copy: one temporary
+                out += values[a:b] * factor
 
     def reduce(self, out: np.ndarray) -> tuple[np.ndarray | None, tuple[str, ...], str]:
         """Weighted mean in fp32 of the accepted contributions into ``out``, outliers clipped (in a thread).

@@ -128,7 +128,7 @@ def describe(event: ev.Event) -> tuple[str, str]:
         case ev.StepMissed():
             return "warning", (
                 f"missed step {event.step} (collaboration at {event.now_step}); "
-                f"{event.kept_samples} samples carried into the next step"
+                f"{event.dropped_samples} samples dropped (computed on that step's parameters); fetching the state"
             )
         case ev.LocalTraining():
             return "info", (

@@ -201,7 +201,13 @@ def local_rows(state: ViewState) -> list[Row]:
         ("speed", _value(fmt_speed(state.local_samples_per_s) if state.micro_batches else MISSING)),
         ("this step", _value(_plural(state.local_samples, "sample"))),
         ("my share", _value(share_text)),
-        ("steps", _value(f"{state.steps_done} done, {state.steps_missed} missed")),
+        (
+            "steps",
+            _value(
+                f"{state.steps_done} done, {state.steps_missed} missed"
+                + (f" ({state.samples_dropped} dropped)" if state.samples_dropped else "")
+            ),
+        ),
         ("lr", _value(MISSING if state.lr is None else f"{state.lr:.3g}")),
     ]
 

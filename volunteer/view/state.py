@@ -64,6 +64,7 @@ class ViewState:
     recent_steps: tuple[RecentStep, ...] = ()
     steps_done: int = 0
     steps_missed: int = 0
+    samples_dropped: int = 0  # accumulated on parameters of a missed step, never averaged
     # local training
     local_step: int | None = None
     lr: float | None = None
@@ -245,7 +246,8 @@ def _step_missed(s: ViewState, e: ev.StepMissed) -> ViewState:
         s,
         steps_missed=s.steps_missed + 1,
         global_step=_max_step(s.global_step, e.now_step),
-        local_samples=e.kept_samples,
+        local_samples=0,
+        samples_dropped=s.samples_dropped + e.dropped_samples,
         log=_logged(s, e),
     )
 
