@@ -182,8 +182,8 @@ def render(records: list[dict], results: dict[str, list[tuple[str, str, str]]]) 
         "",
         "- A tracker killed in the few milliseconds between forming a step's groups (the step is then in "
         "its durable history) and the volunteers receiving them: after the restart the volunteers see that "
-        "step as missed. Nobody applied it, so parameters stay equal and the samples are carried into the "
-        "next step, but the history counts a step no optimizer took. The restart test kills the tracker "
+        "step as missed. Nobody applied it, so parameters stay equal; each drops its samples and fetches "
+        "the state, and the history counts a step no optimizer took. The restart test kills the tracker "
         "while the volunteers accumulate, away from that window.",
         "- A part owner that dies after answering some senders but not others leaves the group split for "
         "that part (some applied the mean, the others skipped it); parameter averaging "
