@@ -51,12 +51,22 @@ def volunteers(run, tmp_path, n: int, **kw) -> list[Volunteer]:
 
 @pytest.mark.timeout(300)
 async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(tmp_path):
+    # the README's example: 3 volunteers, a target of 128 samples in micro-batches of 16
     async with published_run(
-        tmp_path, averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0}
+        tmp_path,
+        target_batch_size=128,
+        micro_batch_size=16,
+        averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0},
     ) as run:
         vols = volunteers(run, tmp_path, 3, max_steps=STEPS)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
+        async with TrackerClient(run.tracker.url) as client:
+            history = (await client.status(run.spec.run_id)).recent_steps  # the last 10
     assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
+    target = run.spec.target_batch_size
+    assert history and all(target <= r.samples <= 1.25 * target for r in history), [
+        r.samples for r in history
+    ]
     assert all(s.steps_missed == 0 for s in summaries)
     for step in range(1, STEPS + 1):
         first = vols[0].param_history[step]
@@ -132,3 +142,25 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
         np.testing.assert_allclose(
             vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_micro_batch_longer_than_a_heartbeat_never_closes_a_step_into_an_empty_round(tmp_path):
+    """Regression (issue 13): with a model whose micro-batch outlasts a heartbeat interval (0.2 s here), the
+    tracker closed steps and formed rounds before the contributors could say "ready": steps with nobody in
+    them, and a global step that counted steps no volunteer took. Every step now holds its contributors."""
+    model = {"recipe": "tiny-gpt", "args": {"d_model": 256, "n_layer": 4, "n_head": 4, "seq_len": 128}}
+    steps = 3
+    async with published_run(
+        tmp_path, model=model, target_batch_size=16, averaging={"codec": "none", "gather_s": 0.2}
+    ) as run:
+        vols = volunteers(run, tmp_path, 2, max_steps=steps)
+        summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
+        async with TrackerClient(run.tracker.url) as client:
+            status = await client.status(run.spec.run_id)
+    # the premise: a micro-batch (8 samples) took longer than the 0.2 s heartbeat interval
+    assert all(8 / v._samples_per_s > 0.2 for v in vols), [v._samples_per_s for v in vols]
+    assert all(s.steps_done == steps and s.steps_missed == 0 for s in summaries), summaries
+    assert status.global_step == steps
+    assert all(r.samples >= 16 and r.peers == 2 for r in status.recent_steps), status.recent_steps
