@@ -111,7 +111,7 @@ class RunState:
         self.step_samples = 0
         self.step_contributors = 0
         self.rate_sum = 0.0
-        self.idle_rate = 0.0  # Σ rate of peers at this step that stopped at their share (or catch up)
+        self.idle_rate = 0.0  # Σ rate of peers at this step that compute nothing (catching up, no chunk)
         # peers computing (or on their way to this step) whose rate is known, and those whose is not yet
         self.rated = 0
         self.unrated = 0
@@ -134,28 +134,25 @@ class RunState:
     # ------------------------------------------------------------ aggregates
 
     def _unaccount(self, peer: Peer) -> None:
-        self.rate_sum -= peer.samples_per_s
-        if not (peer.step == self.global_step and not peer.computing):
-            self.rated -= peer.samples_per_s > 0
-            self.unrated -= peer.samples_per_s <= 0
-        if peer.step == self.global_step:
-            if not peer.computing:
-                self.idle_rate -= peer.samples_per_s
-            self.step_samples -= peer.samples
-            self.step_contributors -= peer.samples > 0
-            self.reserved -= max(peer.allotted, peer.samples)
+        self._count(peer, -1)
 
     def _account(self, peer: Peer) -> None:
-        self.rate_sum += peer.samples_per_s
-        if not (peer.step == self.global_step and not peer.computing):
-            self.rated += peer.samples_per_s > 0
-            self.unrated += peer.samples_per_s <= 0
-        if peer.step == self.global_step:
-            if not peer.computing:
-                self.idle_rate += peer.samples_per_s
-            self.step_samples += peer.samples
-            self.step_contributors += peer.samples > 0
-            self.reserved += max(peer.allotted, peer.samples)
+        self._count(peer, 1)
+
+    def _count(self, peer: Peer, sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) one peer's share of the aggregates."""
+        r = peer.samples_per_s
+        self.rate_sum += sign * r
+        at_step = peer.step == self.global_step
+        if at_step and not peer.computing:  # catching up or holding no chunk: its rate computes nothing
+            self.idle_rate += sign * r
+        else:
+            self.rated += sign * (r > 0)
+            self.unrated += sign * (r <= 0)
+        if at_step:
+            self.step_samples += sign * peer.samples
+            self.step_contributors += sign * (peer.samples > 0)
+            self.reserved += sign * max(peer.allotted, peer.samples)
 
     def _allot(self, peer: Peer) -> int:
         """How many samples ``peer`` may accumulate for this step (it is not accounted while this runs).
