@@ -82,6 +82,11 @@ class AveragingSpec(Message, kw_only=True):
     # accumulation and fetches the state (no gradient outlives its parameters)
     state_lag_tolerance: int = 2
     subframe_elements: int = 1 << 20  # values per sub-frame when a part is streamed
+    # 0: a step's averaged gradient is applied before the next step's compute starts (the step equals one
+    # large batch exactly). 1: delayed parameter updates: step N+1's gradients are computed on the
+    # parameters of step N while step N's gradients are averaged; the average is applied when step N+1
+    # closes (one step of staleness, declared here so every peer follows the same rule).
+    delay: int = 0
 
 
 class ChunkInfo(Message, kw_only=True):
@@ -220,6 +225,8 @@ class Heartbeat(Message, kw_only=True):
     loss: float | None = None
     bt_port: int | None = None  # the port its BitTorrent session listens on (the tracker checks it)
     computing: bool = True  # False: what it computes does not count now (catching up, or no chunk yet)
+    # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
+    compute_share: float | None = None
 
 
 class HeartbeatReply(Message, kw_only=True):
@@ -300,6 +307,9 @@ class ReadyReply(Message, kw_only=True):
     assignment: GroupAssignment | None = None  # the first phase this peer is in
     later_phases: list[GroupAssignment] = []  # its groups in the later phases, in order
     retry_after_s: float = 0.0
+    # group: this peer's allotment of the next step (its share of the target by rate), so it computes
+    # on without waiting for a heartbeat's answer
+    next_allotment: int | None = None
 
 
 # ---------------------------------------------------------------- state directory
@@ -347,6 +357,7 @@ class PeerStatus(Message, kw_only=True):
     address: str | None = None  # where the tracker reaches its peer server; None: client mode
     reachable: bool = False  # the tracker's last check of ``address`` answered
     bt_reachable: bool | None = None  # its BitTorrent port accepted a connection; None: not checked
+    compute_share: float | None = None  # as its last heartbeat said (see Heartbeat.compute_share)
 
 
 class StepRecord(Message, kw_only=True):

@@ -84,7 +84,9 @@ def script() -> list[ev.Event]:
         ),
         ev.PhaseChanged(t=T0 + 10, phase="training"),
         ev.LocalTraining(t=T0 + 11, loss=4.25, samples=32, samples_per_s=12.5, micro_batches=4),
-        ev.LocalTraining(t=T0 + 12, loss=3.9876, samples=64, samples_per_s=12.75, micro_batches=8),
+        ev.LocalTraining(
+            t=T0 + 12, loss=3.9876, samples=64, samples_per_s=12.75, micro_batches=8, compute_share=0.8
+        ),
         ev.Progress(
             t=T0 + 13,
             global_step=41,
@@ -113,7 +115,16 @@ def script() -> list[ev.Event]:
             clipped=("p-alice",),
             failed_parts=(1,),
         ),
-        ev.StepDone(t=T0 + 16, step=41, lr=3e-4, contributed_samples=96, group_samples=256, step_time_s=6.4),
+        ev.StepDone(
+            t=T0 + 16,
+            step=41,
+            lr=3e-4,
+            contributed_samples=96,
+            group_samples=256,
+            step_time_s=6.4,
+            compute_s=5.5,
+            compute_share=0.87,
+        ),
         ev.StepMissed(t=T0 + 30, step=42, now_step=44, dropped_samples=48),
         ev.RoundFailed(t=T0 + 31, round_id="rd-44", step=44, reason="group had 1 member"),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
@@ -173,6 +184,7 @@ def test_render_shows_each_panels_figures():
         # local training
         "loss 3.9876 █▁",
         "speed 12.8 samples/s",
+        "compute 87%",
         "this step 0 samples",  # the missed step dropped its 48,
         "my share 38% (last 1 step)",
         "steps 1 done, 1 missed (48 dropped)",
@@ -303,6 +315,91 @@ def test_derived_figures_over_recent_steps():
     assert len(many.recent_steps) == 10 and many.recent_steps[-1].step == 49 and many.steps_done == 50
 
 
+def step_done(share: float | None, t: float = T0) -> ev.StepDone:
+    return ev.StepDone(
+        t=t, step=3, lr=1e-3, contributed_samples=24, group_samples=96, step_time_s=2.0, compute_share=share
+    )
+
+
+def local_training(share: float | None, t: float = T0) -> ev.LocalTraining:
+    return ev.LocalTraining(t=t, loss=2.5, samples=8, samples_per_s=4.0, micro_batches=2, compute_share=share)
+
+
+def test_compute_share_in_the_plain_lines():
+    assert plain_line(step_done(0.87)).endswith(", 2.00 s, compute 87%")
+    assert plain_line(step_done(None)).endswith(", 2.00 s, compute —")
+    assert plain_line(step_done(1.0)).endswith(", compute 100%")
+    assert plain_line(local_training(0.5)).endswith("2 micro-batches, compute 50%")
+    assert plain_line(local_training(None)).endswith("2 micro-batches, compute —")
+    for event in (step_done(0.87), step_done(None), local_training(0.5)):
+        assert "\n" not in plain_line(event)  # one event, one line
+        assert parse_json_line(json_line(event)) == event
+    assert json.loads(json_line(step_done(None)))["compute_share"] is None
+
+
+def test_compute_share_in_the_live_view():
+    assert fold([]).compute_share is None
+    assert has(record(render(fold([step_done(None)]))), "compute —")
+    state = fold([local_training(0.5, T0), step_done(0.87, T0 + 1)])
+    assert state.compute_share == 0.87
+    assert has(record(render(state)), "compute 87%")
+    later = fold([local_training(None, T0 + 2), step_done(None, T0 + 3)], state)
+    assert later.compute_share == 0.87  # an event that does not know it keeps the last figure
+    assert fold([local_training(0.61, T0 + 4)], later).compute_share == 0.61
+
+
+def test_status_shows_each_peers_compute_share():
+    from crowdtrain.protocol.messages import PeerStatus, RunStatus, decode, encode
+
+    from crowdtrain.commands.status import format_status
+
+    def peer(peer_id: str, share: float | None) -> PeerStatus:
+        return PeerStatus(
+            peer_id=peer_id,
+            step=18,
+            samples=96,
+            samples_per_s=62.7,
+            client_mode=False,
+            chunks_held=121,
+            address="127.0.0.1:4000",
+            reachable=True,
+            compute_share=share,
+        )
+
+    status = RunStatus(
+        run_id="r-1",
+        name="demo",
+        global_step=18,
+        samples=160,
+        target=128,
+        peers_online=2,
+        samples_per_s=101.6,
+        eta_s=0.0,
+        peers=[peer("p-alice", 0.87), peer("p-bob", None)],
+        recent_steps=[],
+    )
+    lines = format_status(status).splitlines()
+    header = next(line for line in lines if "peer " in line and "compute" in line)
+    alice = next(line for line in lines if "p-alice" in line)
+    bob = next(line for line in lines if "p-bob" in line)
+    assert header.split() == [
+        "peer",
+        "step",
+        "samples",
+        "rate",
+        "compute",
+        "chunks",
+        "bittorrent",
+        "averaging",
+    ]
+    assert alice.split()[4] == "87%" and bob.split()[4] == "—"
+    # the column lines up under its heading
+    end = header.index("compute") + len("compute")
+    assert alice[:end].endswith("87%") and bob[:end].endswith("—")
+    back = decode(encode(status), RunStatus)  # what `status --json` prints
+    assert [p.compute_share for p in back.peers] == [0.87, None]
+
+
 def test_loss_history_and_log_tail_are_bounded():
     from crowdtrain.volunteer.view.state import LOG_LINES, LOSS_POINTS
 
@@ -382,8 +479,8 @@ def expected_plain() -> list[str]:
         (9, "chunk 11 verified (chunk-00011, 512 samples): 12/40 held"),
         (10, "data: 12/40 chunks (30%), down 1.2 MB/s, up 345 kB/s, 3 peers (1 seeding), ratio 0.25"),
         (10, "phase: training"),
-        (11, "loss 4.2500, 32 samples toward this step, 12.5 samples/s, 4 micro-batches"),
-        (12, "loss 3.9876, 64 samples toward this step, 12.8 samples/s, 8 micro-batches"),
+        (11, "loss 4.2500, 32 samples toward this step, 12.5 samples/s, 4 micro-batches, compute —"),
+        (12, "loss 3.9876, 64 samples toward this step, 12.8 samples/s, 8 micro-batches, compute 80%"),
         (13, "collaboration at step 41: 96/256 samples, 3 peers online, 40.1 samples/s, eta 4.00 s"),
         (14, "phase: averaging"),
         (
@@ -391,7 +488,7 @@ def expected_plain() -> list[str]:
             "WARNING grad round rd-41 for step 41: 3 members, 1.50 s, sent 400 kB, received 410 kB, "
             "7.5× compression; dropped p-bob; clipped p-alice; failed parts 1",
         ),
-        (16, "step 41 done: 96/256 samples from this machine (38%), lr 0.0003, 6.40 s"),
+        (16, "step 41 done: 96/256 samples from this machine (38%), lr 0.0003, 6.40 s, compute 87%"),
         (
             30,
             "WARNING missed step 42 (collaboration at 44); 48 samples dropped (computed on that step's parameters); fetching the state",
@@ -429,6 +526,9 @@ def test_json_lines_line_by_line():
         assert data == json.loads(json.dumps(ev.to_dict(event)))
         assert data["event"] == type(event).__name__
         assert parse_json_line(line) == event
+    step_done = json.loads(lines[14])
+    assert (step_done["compute_share"], step_done["compute_s"], step_done["delayed"]) == (0.87, 5.5, False)
+    assert json.loads(lines[9])["compute_share"] is None and json.loads(lines[10])["compute_share"] == 0.8
     round_done = json.loads(lines[13])
     assert round_done["members"] == ["p-alice", "p-bob", "p-carol"]
     assert round_done["phases"] == {"encode": 0.1, "exchange": 1.3, "decode": 0.1}
@@ -440,7 +540,10 @@ def test_json_line_turns_nan_into_null_and_back():
     assert json.loads(line)["loss"] is None and json.loads(line)["samples_per_s"] is None
     back = parse_json_line(line)
     assert math.isnan(back.loss) and math.isnan(back.samples_per_s)
-    assert plain_line(event) == f"{stamp(T0)} loss nan, 1 samples toward this step, —, 1 micro-batches"
+    assert (
+        plain_line(event)
+        == f"{stamp(T0)} loss nan, 1 samples toward this step, —, 1 micro-batches, compute —"
+    )
 
 
 @pytest.mark.parametrize(

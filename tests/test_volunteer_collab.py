@@ -50,13 +50,16 @@ def volunteers(run, tmp_path, n: int, **kw) -> list[Volunteer]:
 
 
 @pytest.mark.timeout(300)
-async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(tmp_path):
-    # the README's example: 3 volunteers, a target of 128 samples in micro-batches of 16
+@pytest.mark.parametrize("delay", [0, 1])
+async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(tmp_path, delay):
+    """The README's example: 3 volunteers, a target of 128 samples in micro-batches of 16. With delay 1
+    (delayed parameter updates) the replay follows the same delayed rule: each step's gradients computed
+    on the parameters before the previous step's update."""
     async with published_run(
         tmp_path,
         target_batch_size=128,
         micro_batch_size=16,
-        averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0},
+        averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0, "delay": delay},
     ) as run:
         vols = volunteers(run, tmp_path, 3, max_steps=STEPS)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
@@ -86,8 +89,16 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
         steps.append(per_volunteer)
     assert sum(len(b) for b in steps[0]) > 0
     reference = replay_reference(
-        "tiny-gpt", TINY_GPT, spec.optimizer, spec.schedule, steps, by_volunteer=True, combine=group_mean
+        "tiny-gpt",
+        TINY_GPT,
+        spec.optimizer,
+        spec.schedule,
+        steps,
+        by_volunteer=True,
+        combine=group_mean,
+        delay=delay,
     )
+    assert all(s.compute_share is not None and 0 < s.compute_share <= 1 for s in summaries)
     for step, expected in enumerate(reference, start=1):
         np.testing.assert_allclose(
             vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"

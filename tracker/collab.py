@@ -87,6 +87,7 @@ class Peer:
     samples_per_s: float = 0.0
     chunks_held: int = 0
     loss: float | None = None
+    compute_share: float | None = None  # as its last heartbeat said
     last_seen: float = 0.0  # monotonic
     state: StateVersion | None = None
 
@@ -223,6 +224,7 @@ class RunState:
         peer.chunks_held = hb.chunks_held
         peer.loss = hb.loss
         peer.computing = hb.computing
+        peer.compute_share = hb.compute_share
         peer.last_seen = time.monotonic()
         if peer.step != self.global_step or self.closed_at is not None:
             peer.allotted = 0
@@ -383,6 +385,14 @@ class RunState:
         self.reopened = set()
         self.notice = None
         self._recount()
+        # Each averaged peer moves to the new step with nothing accumulated yet: allot its share now, so
+        # the ready reply carries it and the peer computes on without waiting for a heartbeat's answer.
+        for c in candidates:
+            peer = self.peers[c.peer_id]
+            self._unaccount(peer)
+            peer.step, peer.samples = step + 1, 0
+            peer.allotted = self._allot(peer)
+            self._account(peer)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in groups])
         self._wake()
@@ -434,11 +444,14 @@ class RunState:
             if step < self.global_step:
                 mine = self.formed.get(step, {}).get(peer_id)
                 if mine:
+                    peer = self.peers.get(peer_id)
+                    fresh = peer is not None and peer.step == self.global_step == step + 1
                     return ReadyReply(
                         status="group",
                         global_step=self.global_step,
                         assignment=mine[0],
                         later_phases=mine[1:],
+                        next_allotment=peer.allotted if fresh else None,
                     )
                 return ReadyReply(status="missed", global_step=self.global_step)
             if step == self.global_step:
@@ -476,6 +489,7 @@ class RunState:
                 address=p.address,
                 reachable=p.reachable,
                 bt_reachable=p.bt_reachable,
+                compute_share=p.compute_share,
             )
             for p in peers
         ]

@@ -9,11 +9,19 @@ A global step, as this peer sees it (DeDLOC):
    the count to the tracker;
 2. when the tracker says the step's target is reached, stop accumulating and long-poll ``ready`` with the
    accumulated sample count as weight;
-3. the tracker answers with a signed group; the group all-reduces the mean gradient; every member applies
-   the same averaged gradient with the same optimizer and moves to the next step; every
-   ``average_state_every`` steps the group also averages parameters;
-4. a step that closed without this peer (``missed``) keeps the accumulation for the next step; a peer
-   further behind than the run's tolerance fetches the current state from peers, training meanwhile.
+3. the tracker answers with a signed group (and this peer's allotment of the next step); the group
+   all-reduces the mean gradient; every member applies the same averaged gradient with the same optimizer
+   and moves to the next step; every ``average_state_every`` steps the group also averages parameters.
+   With the run's ``averaging.delay = 1`` the all-reduce runs in the background while the next step's
+   gradients are computed on the same parameters, and its average is applied when that next step closes;
+4. a step that closed without this peer (``missed``) drops its accumulation (no gradient outlives its
+   parameters) and the peer fetches the current state from peers, taking part with weight 0 meanwhile.
+
+After each optimizer step a state snapshot is written in the background, straight from the tensors to a
+file (:func:`~crowdtrain.volunteer.state.snapshot.save_snapshot`), and served once complete; the previous
+one is served meanwhile. Training never waits for it, except that the next optimizer step waits for a
+write still in progress (it reads the live tensors). Snapshots are spaced so that writing them takes at
+most a fifth of the wall time.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -57,7 +66,7 @@ from crowdtrain.volunteer.models import check_param_hash, get_recipe
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
-from crowdtrain.volunteer.state.snapshot import load_snapshot, make_snapshot
+from crowdtrain.volunteer.state.snapshot import load_snapshot, save_snapshot
 from crowdtrain.volunteer.trainer import Trainer
 
 from crowdtrain import __version__
@@ -69,6 +78,35 @@ STATS_INTERVAL_S = 1.0
 LOCAL_REPORT_S = 1.0
 WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step closed or needs more
+SNAPSHOT_SPACING = (
+    4.0  # after a snapshot took t seconds to write, the next starts t × this later at the soonest
+)
+
+
+@dataclass(slots=True)
+class _Round:
+    """One step's averaging as this peer takes part in it."""
+
+    step: int
+    phases: list[GroupAssignment]
+    weight: int  # this peer's samples in it
+    catching_up: bool  # started while catching up: weight 0, its average is kept for the replay
+    compute_s: float  # seconds of compute behind the gradient it contributes
+    loss: float | None
+    started: float  # monotonic
+    mean: np.ndarray | None = None  # the averaged gradient (None: the round failed)
+    params: np.ndarray | None = None  # averaged parameters, when the round averages them
+    error: str | None = None  # why it failed as a whole
+
+    @property
+    def group_samples(self) -> int:
+        if not self.phases:  # a round replayed after a catch-up
+            return 0
+        return self.phases[0].step_samples or sum(m.weight for m in self.phases[0].members)
+
+    @property
+    def average_params(self) -> bool:
+        return bool(self.phases) and self.phases[0].average_params
 
 
 @dataclass(slots=True)
@@ -84,6 +122,8 @@ class Summary:
     bytes_sent: int = 0
     raw_bytes: int = 0
     caught_up_to: int | None = None
+    # share of its wall time since its first micro-batch spent computing gradients that entered an average
+    compute_share: float | None = None
 
 
 def resolve_device(requested: str) -> str:
@@ -157,6 +197,20 @@ class Volunteer:
         self._replay: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
         # the mean gradient lands in these, phase by phase, reused every step
         self._mean_bufs: list[np.ndarray | None] = [None, None]
+        self.delay = 0  # the run's averaging.delay, set on joining
+        self._round_task: asyncio.Future[_Round] | None = None  # delay 1: the step averaged in the background
+        self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
+        self._applied = 0  # the parameters hold the averages of the steps below this one
+        # compute share: seconds computing gradients that entered an average, since the first micro-batch
+        self._compute_t0: float | None = None
+        self._step_compute_s = 0.0  # behind the gradient accumulated for the current step
+        self._useful_compute_s = 0.0
+        # snapshots, written in the background
+        self._snapshot_task: asyncio.Task | None = None
+        self._snapshot_writing: asyncio.Future | None = None  # the write itself (it reads live tensors)
+        self._snapshot_next_at = 0.0  # monotonic: no new snapshot before this
+        self._state_dir = config.data_dir / "crowdtrain-state"
+        self.state_server: StateServer | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -229,6 +283,8 @@ class Volunteer:
             self.credential = join.credential
             self.heartbeat_interval = join.heartbeat_interval_s
             self.step = join.global_step
+            self._applied = join.global_step
+            self.delay = spec.averaging.delay
             self.summary.peer_id = join.peer_id
             self.summary.first_step = join.global_step
             server.peer_id = join.peer_id
@@ -250,6 +306,9 @@ class Volunteer:
                     config=AveragingConfig.from_spec(spec.averaging),
                     emit=self.emit,
                 )
+                # snapshots live in files of their own; leftovers of an earlier run of this peer go
+                await asyncio.to_thread(shutil.rmtree, self._state_dir, True)
+                self._state_dir.mkdir(parents=True, exist_ok=True)
                 self.state_server = StateServer(
                     run_id=cfg.run_id,
                     tracker_public_key=spec.tracker_public_key,
@@ -303,6 +362,11 @@ class Volunteer:
                 self._phase("leaving")
                 if self._pending_state is not None:
                     self._pending_state.cancel()
+                for task in (self._round_task, self._snapshot_task):
+                    if task is not None and not task.done():
+                        task.cancel()
+                if self._snapshot_writing is not None:
+                    await asyncio.wait({self._snapshot_writing})  # a thread: let it finish its file
                 # In order: stop accepting peers, tell the tracker, then close what talks to the network.
                 await server.stop()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
@@ -314,7 +378,10 @@ class Volunteer:
                     await self.averager.close()
                 if self.torrent is not None:
                     await self.torrent.close()
+                if self.state_server is not None:
+                    self.state_server.close()
                 self.summary.last_step = self.step
+                self.summary.compute_share = self._compute_share()
                 self.emit(ev.Left(reason=reason))
         return self.summary
 
@@ -414,6 +481,7 @@ class Volunteer:
                 chunks_held=self._chunks_held,
                 loss=self._loss_ema,
                 bt_port=self._bt_port(),
+                compute_share=self._compute_share(),
             ),
             self.key,
             self.credential,
@@ -530,8 +598,8 @@ class Volunteer:
         phase = ""
         while not self._stop.is_set():
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
-                return
-            if self._pending_state is not None and self._pending_state.done():
+                break
+            if self._pending_state is not None and self._pending_state.done() and self._round_settled():
                 await self._switch_to_fetched_state()
             if self._pending_state:
                 want = "catching-up"
@@ -561,8 +629,11 @@ class Volunteer:
                 n = micro if quota is None else min(micro, quota - self.trainer.samples)
                 batch = self.sampler.batch(n)
                 started = time.monotonic()
+                if self._compute_t0 is None:
+                    self._compute_t0 = started
                 loss, n = await asyncio.to_thread(self.trainer.accumulate, batch.x, batch.y)
                 now = time.monotonic()
+                self._step_compute_s += now - started
                 if self.record and self._pending_state is None:
                     self.recorded.setdefault(self.step, []).append(list(batch.provenance))
                 micro_batches += 1
@@ -581,6 +652,7 @@ class Volunteer:
                             samples=self.trainer.samples,
                             samples_per_s=self._samples_per_s,
                             micro_batches=micro_batches,
+                            compute_share=self._compute_share(),
                         )
                     )
             else:
@@ -598,17 +670,33 @@ class Volunteer:
                 await self._average_and_step()
                 self._reply = None  # wait for a fresh view of the new step
                 self._at_quota = False
-                self._heartbeat_now.set()  # learn this peer's share of the new step at once
+                self._heartbeat_now.set()  # tell the tracker at once that this peer is in the new step
                 phase = ""
+        # delay 1: the last step's average is still under way; its group counts on this peer's part
+        if self._round_task is not None:
+            await self._conclude(await self._await_round())
+
+    def _compute_share(self) -> float | None:
+        """Share of the wall time since the first micro-batch spent computing gradients that entered an
+        average (a step applied with this peer's samples in it)."""
+        if self._compute_t0 is None:
+            return None
+        elapsed = time.monotonic() - self._compute_t0
+        return min(1.0, self._useful_compute_s / elapsed) if elapsed > 0 else None
+
+    def _drop_accumulation(self) -> int:
+        dropped = self.trainer.samples
+        self.trainer.reset_accumulation()
+        self._step_loss = (0.0, 0)
+        self._step_compute_s = 0.0
+        return dropped
 
     def _fell_behind(self, global_step: int) -> None:
         """The run moved on without this peer. Its accumulated gradients were computed on parameters the
         others have left behind: they are dropped (no gradient outlives its parameters), and the peer
         fetches the current state, taking part with weight 0 meanwhile."""
         if self._pending_state is None:
-            dropped = self.trainer.samples
-            self.trainer.reset_accumulation()
-            self._step_loss = (0.0, 0)
+            dropped = self._drop_accumulation()
             self.emit(ev.StepMissed(step=self.step, now_step=global_step, dropped_samples=dropped))
             self.summary.steps_missed += 1
             if self.config.catch_up:
@@ -616,8 +704,10 @@ class Volunteer:
         self.step = global_step
 
     async def _average_and_step(self) -> None:
-        """One collaborative step. While catching up, take part with weight 0 and keep the averages for
-        replay once the fetched state is loaded, so the newcomer ends exactly where the others are."""
+        """One collaborative step: get this step's group, average the gradient, apply it (delay 0), or apply
+        the previous step's average and leave this one averaging in the background (delay 1). While
+        catching up, take part with weight 0 and keep the averages for the replay once the fetched state is
+        loaded, so the newcomer ends exactly where the others are."""
         step = self.step
         catching_up = self._pending_state is not None
         weight = 0 if catching_up else self.trainer.samples
@@ -626,68 +716,123 @@ class Volunteer:
         if not phases:
             self._phase("catching-up" if catching_up else "training")
             return
-        started = time.monotonic()
+        loss_sum, loss_n = self._step_loss
+        self._step_loss = (0.0, 0)
+        rnd = _Round(
+            step=step,
+            phases=phases,
+            weight=weight,
+            catching_up=catching_up,
+            compute_s=0.0 if catching_up else self._step_compute_s,
+            loss=loss_sum / loss_n if loss_n and not catching_up else None,
+            started=time.monotonic(),
+        )
+        self._step_compute_s = 0.0
+        previous = await self._await_round() if self.delay else None
+        if self.delay or self.trainer.device.type != "cpu":
+            if self._grad_buf is None:
+                self._grad_buf = self._host_buffer()
+        # delay 1: the gradient goes to a buffer of its own (the next step accumulates meanwhile); on the
+        # CPU without delay, the accumulation buffer itself is handed to the all-reduce (no copy)
+        grad = await asyncio.to_thread(self.trainer.take_grad, self._grad_buf)
+        if self.delay:
+            if previous is not None:
+                await self._conclude(previous)
+            self.step = step + 1
+            self._round_task = asyncio.get_running_loop().create_task(self._run_round(rnd, grad))
+            self._phase("catching-up" if self._pending_state is not None else "training")
+            return
         self._phase("averaging")
-        grad = await asyncio.to_thread(self.trainer.flat_grad)
+        await self._conclude(await self._run_round(rnd, grad))
+        self.step = step + 1
+        self._phase("catching-up" if self._pending_state is not None else "training")
+
+    def _host_buffer(self) -> np.ndarray:
+        """A reused float32 host buffer of the model's size (pinned on a GPU: device copies run async)."""
+        pinned = self.trainer.device.type == "cuda"
+        return torch.empty(self.trainer.numel, dtype=torch.float32, pin_memory=pinned).numpy()
+
+    def _round_settled(self) -> bool:
+        return self._round_task is None or self._round_task.done()
+
+    async def _await_round(self) -> _Round | None:
+        task, self._round_task = self._round_task, None
+        return None if task is None else await task
+
+    async def _run_round(self, rnd: _Round, grad: np.ndarray) -> _Round:
+        """All-reduce the step's gradient over its phases (and, with delay 1 on an averaging step, the
+        parameters the gradient was computed on)."""
         try:
             # The mean lands in buffers reused every step (the trainer copies it into .grad), except while
             # catching up: those averages are kept for the replay.
-            mean, failed = await self._allreduce_phases(phases, grad, "grad", reuse=not catching_up)
+            mean, failed = await self._allreduce_phases(rnd.phases, grad, "grad", reuse=not rnd.catching_up)
         except AveragingError as exc:
-            self._note(
-                logging.WARNING,
-                "averaging round of step %d failed (%s); this peer will fetch the state",
-                step,
-                exc,
-            )
-            self.step = step + 1
-            self._replay.clear()
-            if self.config.catch_up:
-                self._start_catch_up()
-            return
+            rnd.error = str(exc)
+            return rnd
         if failed:
             self._note(
                 logging.WARNING,
                 "step %d: parts of the gradient were not averaged (their owner failed): %s; skipping them",
-                step,
+                rnd.step,
                 "; ".join(failed),
             )
-        group_samples = phases[0].step_samples or sum(m.weight for m in phases[0].members)
-        average_params = phases[0].average_params
-        if catching_up:
-            params = await self._average_params(phases) if average_params else None
-            self._replay[step] = (mean, params)
-            self.step = step + 1
-            self._phase("catching-up")
+        rnd.mean = mean
+        if self.delay and rnd.average_params:
+            rnd.params = await self._average_params(rnd.phases)
+        return rnd
+
+    async def _conclude(self, rnd: _Round) -> None:
+        """Apply a finished round's average (or keep it for the replay while catching up)."""
+        if rnd.mean is None:
+            self._note(
+                logging.WARNING,
+                "averaging round of step %d failed (%s); this peer will fetch the state",
+                rnd.step,
+                rnd.error,
+            )
+            self._replay.clear()
+            if self.config.catch_up:
+                self._start_catch_up()
+            return
+        if self._pending_state is not None:
+            # delay 0: the parameters are averaged after the step, here; a catching-up peer only receives
+            params = rnd.params
+            if not self.delay and rnd.average_params:
+                params = await self._average_params(rnd.phases)
+            mean = rnd.mean if rnd.catching_up else rnd.mean.copy()  # (not a reused buffer)
+            self._replay[rnd.step] = (mean, params)
             return
         self._phase("stepping")
-        loss_sum, loss_n = self._step_loss
-        step_loss = loss_sum / loss_n if loss_n else None
-        self._step_loss = (0.0, 0)
-        if step_loss is not None:
-            self.summary.losses.append(step_loss)
-        lr = await asyncio.to_thread(self.trainer.apply, mean, step)
-        if average_params:
-            params = await self._average_params(phases)
+        await self._snapshot_written()  # the write reads the tensors this step changes
+        if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
+            await asyncio.to_thread(self.trainer.set_flat_params, rnd.params)
+        lr = await asyncio.to_thread(self.trainer.apply, rnd.mean, rnd.step)
+        if not self.delay and rnd.average_params:
+            params = await self._average_params(rnd.phases)
             if params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
-        self.step = step + 1
+        self._applied = rnd.step + 1
         self.summary.steps_done += 1
+        if rnd.weight > 0:
+            self._useful_compute_s += rnd.compute_s
+        if rnd.loss is not None:
+            self.summary.losses.append(rnd.loss)
         if self.record:
-            self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+            self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
         self.emit(
             ev.StepDone(
-                step=step,
+                step=rnd.step,
                 lr=lr,
-                contributed_samples=weight,
-                group_samples=group_samples,
-                step_time_s=time.monotonic() - started,
-                loss=step_loss,
+                contributed_samples=rnd.weight,
+                group_samples=rnd.group_samples,
+                step_time_s=time.monotonic() - rnd.started,
+                loss=rnd.loss,
+                compute_s=rnd.compute_s,
+                compute_share=self._compute_share(),
+                delayed=bool(self.delay),
             )
         )
-        if not self.config.client_mode and self.step % self.config.snapshot_every == 0:
-            await self._publish_state()
-        self._phase("training")
+        self._schedule_snapshot()
 
     async def _allreduce_phases(
         self, phases: list[GroupAssignment], vector: np.ndarray, tag: str, *, reuse: bool
@@ -720,7 +865,7 @@ class Volunteer:
 
     async def _await_group(self, step: int, weight: int) -> list[GroupAssignment]:
         """Long-poll the tracker until it forms this step's groups: this peer's group in each phase, in
-        order; empty if this peer missed the step."""
+        order; empty if this peer missed the step. The reply's allotment of the next step is kept."""
         while not self._stop.is_set():
             try:
                 reply = await self.tracker.ready(
@@ -738,6 +883,9 @@ class Volunteer:
                     verify_assignment(a, self.spec.tracker_public_key)
                     if a.step != step or self.peer_id not in (m.peer_id for m in a.members):
                         raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
+                if reply.next_allotment is not None and reply.global_step == step + 1:
+                    self._quota = (step + 1, reply.next_allotment)
+                    self._quota_since = time.monotonic()
                 return phases
             if reply.status == "missed":
                 self._fell_behind(reply.global_step)
@@ -766,20 +914,49 @@ class Volunteer:
 
     # ------------------------------------------------------------------ state
 
-    async def _publish_state(self) -> None:
+    def _schedule_snapshot(self) -> None:
+        """Start writing a snapshot of the state just stepped to, in the background, when one is due: every
+        ``snapshot_every`` steps, one at a time, and spaced so that writing takes at most a fifth of the
+        time (the previous snapshot is served until the new one is complete)."""
+        if self.config.client_mode or self._applied % self.config.snapshot_every:
+            return
+        if self._snapshot_task is not None and not self._snapshot_task.done():
+            return
+        if time.monotonic() < self._snapshot_next_at:
+            return
+        self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot(self._applied))
+
+    async def _snapshot_written(self) -> None:
+        """Wait until a snapshot write in progress has read the tensors (before they change)."""
+        if self._snapshot_writing is not None:
+            await asyncio.wait({self._snapshot_writing})
+
+    async def _snapshot(self, step: int) -> None:
         spec = self.spec
-        model_state, optimizer_state = await asyncio.to_thread(self.trainer.state_dicts)
-        snapshot = await asyncio.to_thread(
-            make_snapshot,
-            run_id=self.config.run_id,
-            step=self.step,
-            recipe=spec.model.recipe,
-            args=dict(spec.model.args),
-            model_state=model_state,
-            optimizer_state=optimizer_state,
-            scheduler_state=None,
-            range_bytes=self.config.state.range_bytes,
+        started = time.monotonic()
+        write = asyncio.ensure_future(
+            asyncio.to_thread(
+                save_snapshot,
+                self._state_dir / f"state-{step}.safetensors",
+                run_id=self.config.run_id,
+                step=step,
+                recipe=spec.model.recipe,
+                args=dict(spec.model.args),
+                model_state=self.trainer.model.state_dict(),  # live tensors: no copy
+                optimizer_state=self.trainer.optimizer.state_dict(),
+                scheduler_state=None,
+                range_bytes=self.config.state.range_bytes,
+            )
         )
+        self._snapshot_writing = write
+        try:
+            snapshot = await asyncio.shield(write)
+        except OSError as exc:
+            self._note(logging.WARNING, "could not write the state snapshot of step %d (%s)", step, exc)
+            return
+        finally:
+            self._snapshot_writing = None
+            self._snapshot_next_at = time.monotonic() + SNAPSHOT_SPACING * (time.monotonic() - started)
         self.state_server.publish(snapshot)
         try:
             await self.tracker.declare_state(
@@ -789,9 +966,7 @@ class Volunteer:
                 self.credential,
             )
         except TrackerError as exc:
-            self._note(
-                logging.WARNING, "could not declare state version %d to the tracker (%s)", self.step, exc
-            )
+            self._note(logging.WARNING, "could not declare state version %d to the tracker (%s)", step, exc)
 
     def _start_catch_up(self) -> None:
         if self._pending_state is None or self._pending_state.done():
@@ -802,19 +977,27 @@ class Volunteer:
         donors = await self.tracker.donors(self.config.run_id)
         if donors.state is None or not donors.donors:
             return None
-        data = await fetch_state(
-            donors=donors.donors,
-            version=donors.state,
-            run_id=self.config.run_id,
-            key=self.key,
-            credential=self.credential,
-            config=self.config.state,
-            emit=self.emit,
-        )
-        return await asyncio.to_thread(load_snapshot, data)
+        incoming = self._state_dir / "incoming.safetensors"
+        try:
+            path = await fetch_state(
+                donors=donors.donors,
+                version=donors.state,
+                run_id=self.config.run_id,
+                key=self.key,
+                credential=self.credential,
+                config=self.config.state,
+                emit=self.emit,
+                into=incoming,  # written as it is verified: never held in memory whole
+            )
+            return await asyncio.to_thread(load_snapshot, path)
+        finally:
+            incoming.unlink(missing_ok=True)
 
     async def _switch_to_fetched_state(self) -> None:
-        """Load the fetched state, then replay the averaged steps received meanwhile (at a step boundary)."""
+        """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
+        with delay 1, once no round is under way), so this peer holds what the others hold."""
+        if self.delay and self._round_task is not None:
+            await self._conclude(await self._await_round())  # kept for the replay: still catching up
         task, self._pending_state = self._pending_state, None
         replay, self._replay = self._replay, {}
         try:
@@ -826,8 +1009,9 @@ class Volunteer:
             self._start_catch_up()
             return
         if loaded is None:
+            self._applied = max(0, self.step - self.delay)
             if self.record:
-                self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+                self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
             if self.config.init_from is not None:
                 self._note(
                     logging.INFO, "no peer serves the run's state; resuming from %s", self.config.init_from
@@ -841,7 +1025,12 @@ class Volunteer:
                     logging.WARNING, "no peer serves the run's state; training from the initial parameters"
                 )
             return
-        missing = [s for s in range(loaded.step, self.step) if s not in replay]
+        # The parameters should hold the averages of the steps below ``target``; with delay 1 the average
+        # of step ``target`` is applied when the current step closes, as every peer does.
+        target = max(0, self.step - self.delay)
+        pending_step = target if self.delay and self.step > 0 else None
+        needed = range(loaded.step, self.step if pending_step is not None else target)
+        missing = [s for s in needed if s not in replay]
         if missing:
             self._note(
                 logging.INFO,
@@ -851,23 +1040,48 @@ class Volunteer:
             )
             self._start_catch_up()
             return
-        await asyncio.to_thread(self.trainer.load_state, loaded.model_state, loaded.optimizer_state)
-        for s in range(loaded.step, self.step):
-            grad, params = replay[s]
-            await asyncio.to_thread(self.trainer.apply, grad, s)
-            if params is not None:
+        await self._snapshot_written()
+        # the loaded tensors are read from a file for this alone: the optimizer may keep them (no copy)
+        await asyncio.to_thread(
+            self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
+        )
+        for s in range(loaded.step, target):
+            grad, params = replay.pop(s)
+            if self.delay and params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
-        self.trainer.reset_accumulation()
-        self._step_loss = (0.0, 0)
-        if self.step < loaded.step:
-            self.step = loaded.step
+            await asyncio.to_thread(self.trainer.apply, grad, s)
+            if not self.delay and params is not None:
+                await asyncio.to_thread(self.trainer.set_flat_params, params)
+        self._drop_accumulation()
+        if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
+            self.step = loaded.step + self.delay
+            self._applied = loaded.step
+        else:
+            self._applied = target
+            if pending_step is not None and pending_step >= loaded.step:
+                grad, params = replay[pending_step]
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(
+                    _Round(
+                        step=pending_step,
+                        phases=[],
+                        weight=0,
+                        catching_up=False,
+                        compute_s=0.0,
+                        loss=None,
+                        started=time.monotonic(),
+                        mean=grad,
+                        params=params,
+                    )
+                )
+                self._round_task = done  # applied when the current step closes
         self.summary.caught_up_to = self.step
         if self.record:
-            self.param_history[self.step] = await asyncio.to_thread(self.trainer.flat_params)
+            self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
         self._note(
             logging.INFO,
             "loaded the state of step %d and replayed %d steps",
             loaded.step,
-            self.step - loaded.step,
+            max(0, target - loaded.step),
         )
         self._phase("training")

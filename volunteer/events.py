@@ -86,6 +86,10 @@ class StepDone(Event):
     group_samples: int  # the samples the averaged gradient stands for
     step_time_s: float
     loss: float | None = None  # this peer's mean training loss over its micro-batches of the step
+    compute_s: float = 0.0  # seconds its device spent computing the gradients it contributed to the step
+    # share of its wall time since its first micro-batch spent computing gradients that entered an average
+    compute_share: float | None = None
+    delayed: bool = False  # applied one step late (the run's ``averaging.delay`` is 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +107,7 @@ class LocalTraining(Event):
     samples: int  # accumulated toward the current step
     samples_per_s: float
     micro_batches: int  # total so far
+    compute_share: float | None = None  # as in StepDone
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

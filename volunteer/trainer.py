@@ -122,6 +122,7 @@ class Trainer:
             offset += p.numel()
         self._bind_grads()
         self._samples = 0
+        self._consumed = False  # the buffer holds a mean handed out by take_grad: zero it before adding
         self.optimizer = make_optimizer(self.named, optimizer_spec)
         self.last_grad_norm = 0.0  # norm of the last applied mean gradient, before clipping
         if self.device.type == "cuda":
@@ -170,6 +171,9 @@ class Trainer:
         if int(y.shape[0]) != n:
             raise ValueError(f"x has {n} samples but y has {int(y.shape[0])}")
         self._bind_grads()
+        if self._consumed:
+            self._grad.zero_()
+            self._consumed = False
         self.model.train()
         xt, yt = self._to_device(x), self._to_device(y)
         with self._autocast():
@@ -186,11 +190,46 @@ class Trainer:
         mean = self._grad / self._samples
         return mean.cpu().numpy()  # sync: device→host copy waits for every queued backward
 
+    def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
+        """Hand out the mean gradient over the accumulated samples (float32, flat) and start a new
+        accumulation.
+
+        With ``into`` (a reused host buffer; pinned memory on a GPU makes the copy asynchronous), the mean is
+        copied there. Without it, on the CPU, the buffer is divided in place and returned as a view, valid
+        until the next :meth:`accumulate`, :meth:`apply` or :meth:`reset_accumulation` (no copy at all).
+        """
+        self._bind_grads()
+        samples = self._samples
+        self._samples = 0
+        if into is None and self.device.type == "cpu":
+            if samples:
+                self._grad.div_(samples)
+            else:
+                self._grad.zero_()
+            self._consumed = True
+            return self._grad.numpy()
+        out = into if into is not None else np.empty(self.numel, dtype=np.float32)
+        if out.shape != (self.numel,) or out.dtype != np.float32:
+            raise ValueError(f"the gradient buffer must be float32 of shape ({self.numel},)")
+        host = torch.from_numpy(out)
+        if samples:
+            if self.device.type == "cpu":
+                torch.div(self._grad, samples, out=host)
+            else:
+                host.copy_(self._grad / samples, non_blocking=True)  # device→host, queued
+                torch.cuda.current_stream(self.device).synchronize()  # sync: waits for this copy only
+        else:
+            host.zero_()
+        self._grad.zero_()
+        self._consumed = False
+        return out
+
     def reset_accumulation(self) -> None:
         """Forget the accumulated gradient and samples."""
         self._bind_grads()
         self._grad.zero_()
         self._samples = 0
+        self._consumed = False
 
     # ------------------------------------------------------------------ the step
 
@@ -212,7 +251,9 @@ class Trainer:
         lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
         self._bind_grads()
         stash = (self._grad.clone(), self._samples) if keep_accumulation else None
-        self._grad.copy_(torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32)))  # host→device copy
+        source = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32))
+        if source.data_ptr() != self._grad.data_ptr():  # (a mean handed out by take_grad is in place)
+            self._grad.copy_(source)  # host→device copy
         norm = torch.linalg.vector_norm(self._grad)
         clip = self.optimizer_spec.grad_clip
         if clip > 0:
@@ -227,6 +268,7 @@ class Trainer:
         else:
             self._grad.zero_()
             self._samples = 0
+        self._consumed = False
         self.last_grad_norm = float(norm)  # sync: reads the norm back from the device
         return lr
 
@@ -263,15 +305,19 @@ class Trainer:
         optimizer_state = _copy_tensors(self.optimizer.state_dict())  # sync: device→host copies
         return model_state, optimizer_state
 
-    def load_state(self, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any]) -> None:
+    def load_state(
+        self, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any], *, owned: bool = False
+    ) -> None:
         """Load a snapshot's model and optimizer state; :class:`StateSyncError` if it does not fit.
 
-        The optimizer state is copied first: ``Optimizer.load_state_dict`` would otherwise keep the caller's
-        tensors (same dtype and device) and step them in place.
+        The optimizer state is copied first, unless ``owned`` (the caller hands its tensors over):
+        ``Optimizer.load_state_dict`` keeps tensors of the right dtype and device and steps them in place.
         """
         try:
             self.model.load_state_dict(model_state, strict=True)  # copies in place: .grad views survive
-            self.optimizer.load_state_dict(_copy_tensors(dict(optimizer_state)))
+            self.optimizer.load_state_dict(
+                dict(optimizer_state) if owned else _copy_tensors(dict(optimizer_state))
+            )
         except (RuntimeError, ValueError, KeyError) as exc:
             raise StateSyncError(f"The fetched state does not fit this model and optimizer: {exc}") from exc
         self._bind_grads()
@@ -322,6 +368,7 @@ def replay_reference(
     by_volunteer: bool = False,
     combine: Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray] = weighted_mean,
     device: str = "cpu",
+    delay: int = 0,
 ) -> list[np.ndarray]:
     """Single-process reference: the flat parameters after each global step.
 
@@ -337,6 +384,10 @@ def replay_reference(
     gradients differ by ~1e-6 between a flat and a per-volunteer replay.
     A step with no samples applies a zero gradient.
     The model starts from ``recipe.build(args)`` (or ``initial_params``).
+
+    With ``delay=1`` (delayed parameter updates), step ``k``'s gradients are computed on the parameters
+    after step ``k - 2``'s update: step ``k - 1``'s average is applied only after step ``k``'s gradients
+    are taken. Element ``i`` of the result is still the parameters after step ``i``'s update.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -344,6 +395,7 @@ def replay_reference(
     if initial_params is not None:
         trainer.set_flat_params(initial_params)
     out: list[np.ndarray] = []
+    pending: np.ndarray | None = None  # delay 1: the average not applied yet
     for i, batches in enumerate(steps):
         if by_volunteer:
             grads, weights = [], []
@@ -359,6 +411,16 @@ def replay_reference(
             for x, y in batches:
                 trainer.accumulate(x, y)
             mean = trainer.flat_grad()
+            trainer.reset_accumulation()
+        if delay:
+            if pending is not None:
+                trainer.apply(pending, start_step + i - 1)
+                out.append(trainer.flat_params())
+            pending = mean
+            continue
         trainer.apply(mean, start_step + i)
+        out.append(trainer.flat_params())
+    if pending is not None:
+        trainer.apply(pending, start_step + len(steps) - 1)
         out.append(trainer.flat_params())
     return out

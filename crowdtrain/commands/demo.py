@@ -291,6 +291,20 @@ def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, see
         f"data set chunks   {downloaded / 1e6:.2f} MB downloaded: {seeder_uploaded / 1e6:.2f} MB from the seeder, "
         f"{from_peers / 1e6:.2f} MB from other volunteers"
     )
+    console.print(f"compute share     {_compute_shares(procs)}")
     caught = [p.name for p in procs if p.state.last_sync_s is not None]
     if caught:
         console.print(f"state catch-up    {', '.join(caught)} loaded the run's state from peers")
+
+
+def _compute_shares(procs: list[VolunteerProc]) -> str:
+    """``mean 84%: volunteer-1 87%, volunteer-2 86%, volunteer-3 —``: each volunteer's share of its wall
+    time (since its first micro-batch) spent computing gradients that entered an average, as its last
+    StepDone or LocalTraining event said (the figure its engine's ``Summary.compute_share`` holds; the
+    volunteers are other processes)."""
+    from crowdtrain.volunteer.view.fmt import fmt_percent
+
+    shares = [p.state.compute_share for p in procs]
+    mean = _mean([s for s in shares if s is not None])
+    each = ", ".join(f"{p.name} {fmt_percent(s)}" for p, s in zip(procs, shares, strict=True))
+    return f"mean {fmt_percent(mean)}: {each}"

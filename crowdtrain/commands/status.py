@@ -7,6 +7,7 @@ import time
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
+from crowdtrain.volunteer.view.fmt import fmt_percent
 
 
 def _rate(x: float) -> str:
@@ -39,12 +40,13 @@ def format_status(status) -> str:  # status: RunStatus
     if status.peers:
         lines.append("  peers:")
         lines.append(
-            f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'chunks':>6}  {'bittorrent':<10}  averaging"
+            f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'compute':>7} {'chunks':>6}"
+            f"  {'bittorrent':<10}  averaging"
         )
         for p in status.peers:
             lines.append(
-                f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12} {p.chunks_held:>6}"
-                f"  {_bt(p):<10}  {_reach(p)}"
+                f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12}"
+                f" {fmt_percent(p.compute_share):>7} {p.chunks_held:>6}  {_bt(p):<10}  {_reach(p)}"
             )
     if status.recent_steps:
         lines.append("  recent steps:")
@@ -66,7 +68,8 @@ def status(
     json_out: bool = typer.Option(False, "--json", help="Print the RunStatus JSON."),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker."),
 ) -> None:
-    """Show a run's global step, samples toward the target, peers online, their throughput, recent steps."""
+    """Show a run's global step, samples toward the target, peers online, their throughput and compute
+    share, recent steps."""
     from crowdtrain.protocol.messages import encode
     from crowdtrain.tracker.client import TrackerClient
 

@@ -46,7 +46,8 @@ class StateConfig:
     retry_after_s: int = 1  # what this server tells a client it turned away with 503
     keep_previous: bool = True  # keep serving the previous snapshot so fetches in progress can finish
     pin_s: float = 30.0  # an older snapshot requested within this many seconds is kept for its fetcher
-    max_snapshots: int = 4  # snapshots held in memory at most, pinned ones included
+    max_snapshots: int = 4  # snapshots served at most, pinned ones included
+    compressed_cache_bytes: int = 64 * MiB  # zstd frames of served ranges kept for the next request
 
     def __post_init__(self) -> None:
         if not 64 * KiB <= self.range_bytes <= 64 * MiB:
@@ -85,6 +86,8 @@ class StateConfig:
             raise ConfigError("max_state_bytes", "must be between range_bytes and 1 TiB")
         if self.upload_rate is not None and not self.upload_rate >= 64 * KiB:
             raise ConfigError("upload_rate", "must be None (unlimited) or at least 64 KiB/s")
+        if not 0 <= self.compressed_cache_bytes <= 1 << 40:
+            raise ConfigError("compressed_cache_bytes", "must be between 0 and 1 TiB")
         if not 0 <= self.zstd_level <= 22:
             raise ConfigError("zstd_level", "must be between 0 (never compress) and 22")
         if not 1 <= self.retry_after_s <= 60:

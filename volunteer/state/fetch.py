@@ -17,8 +17,9 @@ and every failure counts against a donor, so the fetch ends: with the state, or 
 :class:`StateSyncError` naming every donor tried and why it failed.
 
 The state is returned as ``bytes`` in memory (bounded by ``max_state_bytes``; the peak is about twice the
-state, the verified ranges plus their final join). Load it with
-``await asyncio.to_thread(load_snapshot, data)``.
+state, the verified ranges plus their final join), or, given ``into``, written to that file as the ranges
+are hashed in order (only the ranges that arrived ahead of the next one to hash are held in memory). Load
+it with ``await asyncio.to_thread(load_snapshot, data_or_path)``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
 
 import aiohttp
 import zstandard
@@ -162,8 +165,10 @@ async def fetch_state(
     credential: Credential,
     config: StateConfig,
     emit: Emit = no_emit,
-) -> bytes:
-    """Download and verify the state ``version`` from ``donors``; raise :class:`StateSyncError` if none can."""
+    into: Path | None = None,
+) -> bytes | Path:
+    """Download and verify the state ``version`` from ``donors``: its bytes, or the file ``into`` holding
+    them; raise :class:`StateSyncError` if no donor can deliver it."""
     if not HEX64.match(version.content_hash):
         raise StateSyncError(f"state content hash {version.content_hash[:80]!r} is not 64 hex digits")
     states = {i: _DonorState(d) for i, d in enumerate(_unique(donors))}
@@ -173,7 +178,7 @@ async def fetch_state(
             "to serve state",
             (),
         )
-    fetcher = _Fetcher(states, version, run_id, key, credential, config, emit)
+    fetcher = _Fetcher(states, version, run_id, key, credential, config, emit, into)
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         fetcher.session = session
@@ -200,7 +205,9 @@ class _Fetcher:
         credential: Credential,
         config: StateConfig,
         emit: Emit,
+        into: Path | None = None,
     ) -> None:
+        self.into = into
         self.states = states
         self.version = version
         self.run_id = run_id
@@ -215,7 +222,7 @@ class _Fetcher:
 
     # ------------------------------------------------------------ top level
 
-    async def run(self) -> bytes:
+    async def run(self) -> bytes | Path:
         candidates = await self._manifest_candidates()
         for k, (manifest, voters) in enumerate(candidates):
             later = {i for _, v in candidates[k + 1 :] for i in v}
@@ -242,7 +249,7 @@ class _Fetcher:
             return data
         raise AssertionError("unreachable: there is at least one manifest candidate")
 
-    async def _download(self, manifest: StateManifest) -> bytes:
+    async def _download(self, manifest: StateManifest) -> bytes | Path:
         count = len(manifest.range_sha256)
         for s in self.states.values():
             s.ranges = s.bytes = s.failures = 0
@@ -262,21 +269,12 @@ class _Fetcher:
             )
         )
         whole = hashlib.sha256()
-        async with asyncio.TaskGroup() as tg:
-            workers = [
-                tg.create_task(self._worker(i))
-                for i, s in self.states.items()
-                if s.active
-                for _ in range(self.config.ranges_per_donor)
-            ]
-            hasher = tg.create_task(self._hash_in_order(whole))
-            if not workers:
-                job.finished.set()
-            await job.finished.wait()
-            for w in workers:
-                w.cancel()
-            if job.remaining:
-                hasher.cancel()
+        sink = await asyncio.to_thread(open, self.into, "wb") if self.into is not None else None
+        try:
+            await self._gather(job, whole, sink)
+        finally:
+            if sink is not None:
+                sink.close()
         if job.remaining:
             raise _ManifestFailed(f"no donor could deliver {job.remaining} of the state's {count} ranges")
         digest = whole.hexdigest()
@@ -296,10 +294,30 @@ class _Fetcher:
                 donors_used=used,
             )
         )
+        if self.into is not None:
+            return self.into
         return await asyncio.to_thread(b"".join, job.parts)  # every part is set: remaining == 0
 
-    async def _hash_in_order(self, whole: hashlib._Hash) -> None:
-        """Feed verified ranges to the whole-state hash in order while the rest still downloads."""
+    async def _gather(self, job: _Job, whole: hashlib._Hash, sink: BinaryIO | None) -> None:
+        async with asyncio.TaskGroup() as tg:
+            workers = [
+                tg.create_task(self._worker(i))
+                for i, s in self.states.items()
+                if s.active
+                for _ in range(self.config.ranges_per_donor)
+            ]
+            hasher = tg.create_task(self._hash_in_order(whole, sink))
+            if not workers:
+                job.finished.set()
+            await job.finished.wait()
+            for w in workers:
+                w.cancel()
+            if job.remaining:
+                hasher.cancel()
+
+    async def _hash_in_order(self, whole: hashlib._Hash, sink: BinaryIO | None) -> None:
+        """Feed verified ranges to the whole-state hash in order while the rest still downloads; with a
+        ``sink``, write each to it and let go of its bytes."""
         job = self.job
         hashed = 0
         count = len(job.parts)
@@ -308,7 +326,17 @@ class _Fetcher:
             while hashed + len(ready) < count and job.parts[hashed + len(ready)] is not None:
                 ready.append(job.parts[hashed + len(ready)])
             if ready:
-                await asyncio.to_thread(lambda ready=ready: [whole.update(p) for p in ready])
+
+                def take(ready: list[bytes] = ready) -> None:
+                    for part in ready:
+                        whole.update(part)
+                        if sink is not None:
+                            sink.write(part)
+
+                await asyncio.to_thread(take)
+                if sink is not None:
+                    for k in range(hashed, hashed + len(ready)):
+                        job.parts[k] = b""  # written: its bytes are no longer needed
                 hashed += len(ready)
                 continue
             changed = job.changed

@@ -91,6 +91,7 @@ class _Served:
     compressed: dict[int, bytes | None] = field(default_factory=dict)  # range index → frame, None = no gain
     locks: dict[int, asyncio.Lock] = field(default_factory=dict)
     last_access: float = 0.0  # monotonic time of the last request for it
+    sending: int = 0  # uploads of it in progress (its file is kept until they end)
 
 
 class StateServer:
@@ -123,9 +124,15 @@ class StateServer:
             in_use = now - served.last_access < self.config.pin_s
             if not in_use or len(self._served) > self.config.max_snapshots:
                 del self._served[content_hash]
-        self._emit(
-            StateServed(step=snapshot.step, content_hash=snapshot.content_hash, size=len(snapshot.data))
-        )
+                if not served.sending:
+                    served.snapshot.discard()  # its file (an upload in progress discards it when done)
+        self._emit(StateServed(step=snapshot.step, content_hash=snapshot.content_hash, size=snapshot.size))
+
+    def close(self) -> None:
+        """Stop serving: every snapshot file is deleted."""
+        for served in self._served.values():
+            served.snapshot.discard()
+        self._served.clear()
 
     @property
     def newest(self) -> Snapshot | None:
@@ -175,7 +182,7 @@ class StateServer:
         range_header = request.headers.get("Range")
         served = self._lookup(request, range_header or "")
         snap = served.snapshot
-        total = len(snap.data)
+        total = snap.size
         try:
             span = parse_range(range_header, total)
         except RangeNotSatisfiable as exc:
@@ -190,18 +197,22 @@ class StateServer:
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
         self._uploads += 1
+        served.sending += 1
         try:
             return await self._send(request, served, span)
         finally:
             self._uploads -= 1
+            served.sending -= 1
+            if not served.sending and self._served.get(snap.content_hash) is not served:
+                served.snapshot.discard()  # replaced while this upload ran
 
     async def _send(
         self, request: web.Request, served: _Served, span: tuple[int, int] | None
     ) -> web.StreamResponse:
         snap = served.snapshot
-        total = len(snap.data)
+        total = snap.size
         start, end = span if span is not None else (0, total)
-        body: memoryview = memoryview(snap.data)[start:end]
+        frame: bytes | None = None
         headers = {
             "Accept-Ranges": "bytes",
             "ETag": f'"{snap.content_hash}"',
@@ -214,15 +225,21 @@ class StateServer:
         if aligned and self.config.zstd_level > 0 and accepts_zstd(request.headers.get("Accept-Encoding")):
             frame = await self._compressed(served, start // rb)
             if frame is not None:
-                body = memoryview(frame)
                 headers["Content-Encoding"] = "zstd"
         response = web.StreamResponse(status=206 if span is not None else 200, headers=headers)
-        response.content_length = len(body)
+        response.content_length = len(frame) if frame is not None else end - start
         piece = _PACED_PIECE if self._pacer.rate is not None else _WRITE_PIECE
         try:
             await response.prepare(request)
-            for offset in range(0, len(body), piece):
-                chunk = body[offset : offset + piece]
+            for offset in range(0, response.content_length, piece):
+                if frame is not None:
+                    chunk = memoryview(frame)[offset : offset + piece]
+                elif snap.data is not None:
+                    chunk = memoryview(snap.data)[start + offset : min(start + offset + piece, end)]
+                else:  # read from its file as it goes: a large state is never held in memory to serve it
+                    chunk = await asyncio.to_thread(
+                        snap.read, start + offset, min(start + offset + piece, end)
+                    )
                 await self._pacer.take(len(chunk))
                 await response.write(chunk)
                 self.bytes_uploaded += len(chunk)
@@ -236,15 +253,25 @@ class StateServer:
             return served.compressed[index]
         lock = served.locks.setdefault(index, asyncio.Lock())
         async with lock:
-            if index not in served.compressed:
-                rb = served.snapshot.manifest.range_bytes
-                raw = memoryview(served.snapshot.data)[index * rb : (index + 1) * rb]
-                level = self.config.zstd_level
-                frame = await asyncio.to_thread(
-                    lambda: zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw)
-                )
-                served.compressed[index] = frame if len(frame) < len(raw) else None
-        return served.compressed[index]
+            if index in served.compressed:
+                return served.compressed[index]
+            snap = served.snapshot
+            rb = snap.manifest.range_bytes
+            level = self.config.zstd_level
+
+            def compress() -> tuple[bytes, int]:
+                raw = snap.read(index * rb, min((index + 1) * rb, snap.size))
+                return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw), len(raw)
+
+            frame, raw_size = await asyncio.to_thread(compress)
+            result = frame if len(frame) < raw_size else None
+            # Compressed ranges are kept for the next newcomer, within a byte budget: a state larger than
+            # it is compressed again per request rather than held in memory twice.
+            held = sum(len(f) for f in served.compressed.values() if f is not None)
+            if result is None or held + len(result) <= self.config.compressed_cache_bytes:
+                served.compressed[index] = result
+            served.locks.pop(index, None)
+        return result
 
 
 def _error(

@@ -1,6 +1,6 @@
 """A volunteer's state as one verifiable blob: safetensors tensors plus a JSON header, cut into ranges.
 
-Layout of :attr:`Snapshot.data` (a plain safetensors file, readable by any safetensors loader):
+Layout of a snapshot (a plain safetensors file, readable by any safetensors loader):
 
 * ``model.<name>``: the model's ``state_dict()`` tensors;
 * ``optim.state.<param index>.<key>``: the optimizer's per-parameter tensors (``exp_avg``, ``step``…);
@@ -11,18 +11,25 @@ Layout of :attr:`Snapshot.data` (a plain safetensors file, readable by any safet
 The :class:`StateManifest` gives the sha256 of the whole (the content hash the tracker's state directory
 lists) and of each fixed-size range, so a newcomer checks every range as it arrives.
 
-:func:`make_snapshot` and :func:`load_snapshot` are CPU-heavy (copying, hashing): call them with
-``await asyncio.to_thread(...)``. Pass tensors that nothing mutates meanwhile (take the snapshot at a step
-boundary, or pass ``detach().clone()`` copies). Nothing here uses pickle.
+:func:`write_snapshot` streams the tensors (live ones, on any device) into a file a piece at a time while
+hashing, so a snapshot never costs a second copy of the state in memory; :func:`save_snapshot` gives a
+file-backed :class:`Snapshot`, :func:`make_snapshot` an in-memory one. :func:`load_snapshot` reads a file
+tensor by tensor. All are CPU-heavy (copying, hashing): call them with ``await asyncio.to_thread(...)``.
+Pass tensors that nothing mutates meanwhile (the engine writes between two optimizer steps). Nothing here
+uses pickle.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import math
+import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import msgspec
 import torch
@@ -30,7 +37,6 @@ from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.messages import StateManifest, StateVersion
 from crowdtrain.volunteer.state.config import KiB, MiB
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
 
 FORMAT = 1
 META_KEY = "crowdtrain"
@@ -57,9 +63,19 @@ class SnapshotHeader(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    data: bytes
+    """A snapshot's manifest and its bytes: in memory (``data``) or in a file (``path``) it owns."""
+
     manifest: StateManifest
     version: StateVersion
+    data: bytes | None = None
+    path: Path | None = None
+
+    @classmethod
+    def of(cls, manifest: StateManifest, *, data: bytes | None = None, path: Path | None = None) -> Snapshot:
+        version = StateVersion(
+            step=manifest.step, content_hash=manifest.content_hash, size=manifest.total_bytes
+        )
+        return cls(manifest=manifest, version=version, data=data, path=path)
 
     @property
     def step(self) -> int:
@@ -68,6 +84,23 @@ class Snapshot:
     @property
     def content_hash(self) -> str:
         return self.manifest.content_hash
+
+    @property
+    def size(self) -> int:
+        return self.manifest.total_bytes
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` (blocking for a file: call it in a thread for large spans)."""
+        if self.data is not None:
+            return self.data[start:end]
+        assert self.path is not None
+        with open(self.path, "rb") as f:
+            return os.pread(f.fileno(), end - start, start)
+
+    def discard(self) -> None:
+        """Delete its file (a snapshot no longer served)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,14 +122,9 @@ def _check_range_bytes(range_bytes: int) -> None:
 def describe(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB) -> Snapshot:
     """Hash ``data`` (the whole and each range) into a :class:`Snapshot`. CPU-heavy: use a thread."""
     _check_range_bytes(range_bytes)
-    view = memoryview(data)
-    whole = hashlib.sha256()
-    ranges = []
-    for start in range(0, len(data), range_bytes):
-        piece = view[start : start + range_bytes]
-        whole.update(piece)
-        ranges.append(hashlib.sha256(piece).hexdigest())
-    content_hash = whole.hexdigest()
+    hasher = _RangeHasher(range_bytes)
+    hasher.update(memoryview(data))
+    content_hash, ranges = hasher.finish()
     manifest = StateManifest(
         run_id=run_id,
         step=step,
@@ -105,11 +133,7 @@ def describe(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB)
         range_bytes=range_bytes,
         range_sha256=ranges,
     )
-    return Snapshot(
-        data=data,
-        manifest=manifest,
-        version=StateVersion(step=step, content_hash=content_hash, size=len(data)),
-    )
+    return Snapshot.of(manifest, data=data)
 
 
 def _json_default(obj: Any) -> Any:
@@ -120,33 +144,86 @@ def _json_default(obj: Any) -> Any:
     )
 
 
-def _flat_cpu(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Contiguous CPU tensors; tensors sharing storage are stored once (identical views) or copied."""
-    out: dict[str, torch.Tensor] = {}
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def _plan(tensors: dict[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """The tensors to store, in name order, and aliases for names that view exactly a stored tensor (tied
+    weights are stored once). Nothing is copied here: the writer copies one tensor at a time."""
+    stored: list[tuple[str, torch.Tensor]] = []
     aliases: dict[str, str] = {}
-    seen_views: dict[tuple[Any, ...], str] = {}
-    seen_storage: set[tuple[str, int]] = set()
-    for name, tensor in tensors.items():
+    seen: dict[tuple[Any, ...], str] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state entry {name!r} is a {type(tensor).__name__}, not a tensor")
         t = tensor.detach()
-        storage = (str(t.device), t.untyped_storage().data_ptr()) if t.numel() else None
-        view_key = (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if storage is not None and view_key in seen_views:
-            aliases[name] = seen_views[view_key]
-            continue
-        shares = storage is not None and storage in seen_storage
-        t = t.to("cpu").contiguous()
-        if shares or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # safetensors refuses tensors that share or only partly use their storage
-        if storage is not None:
-            seen_views[view_key] = name
-            seen_storage.add(storage)
-        out[name] = t
-    return out, aliases
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"state entry {name!r} has dtype {t.dtype}, which a snapshot cannot hold")
+        if t.numel():
+            key = (
+                str(t.device),
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                t.stride(),
+                t.dtype,
+            )
+            if key in seen:
+                aliases[name] = seen[key]
+                continue
+            seen[key] = name
+        stored.append((name, t))
+    return stored, aliases
 
 
-def make_snapshot(
+class _RangeHasher:
+    """sha256 of the whole stream and of each ``range_bytes`` range, fed as the bytes are written."""
+
+    def __init__(self, range_bytes: int) -> None:
+        self.range_bytes = range_bytes
+        self.whole = hashlib.sha256()
+        self.ranges: list[str] = []
+        self._current = hashlib.sha256()
+        self._filled = 0
+        self.total = 0
+
+    def update(self, data: memoryview) -> None:
+        self.whole.update(data)
+        self.total += len(data)
+        while len(data):
+            take = min(len(data), self.range_bytes - self._filled)
+            self._current.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == self.range_bytes:
+                self.ranges.append(self._current.hexdigest())
+                self._current, self._filled = hashlib.sha256(), 0
+
+    def finish(self) -> tuple[str, list[str]]:
+        if self._filled:
+            self.ranges.append(self._current.hexdigest())
+            self._current, self._filled = hashlib.sha256(), 0
+        return self.whole.hexdigest(), self.ranges
+
+
+_WRITE_BYTES = 16 * MiB  # a tensor is copied to the host and written in pieces of at most this size
+
+
+def write_snapshot(
+    out: BinaryIO,
     *,
     run_id: str,
     step: int,
@@ -156,10 +233,13 @@ def make_snapshot(
     optimizer_state: dict[str, Any],
     scheduler_state: dict[str, Any] | None,
     range_bytes: int = 4 * MiB,
-) -> Snapshot:
-    """Serialise a volunteer's state (``optimizer_state`` is ``optimizer.state_dict()``).
+) -> StateManifest:
+    """Write a volunteer's state (``optimizer_state`` is ``optimizer.state_dict()``) as one safetensors
+    file to ``out``, straight from the tensors: each is copied to the host a piece at a time, so the
+    snapshot never exists as a second copy in memory. Returns its manifest (hashes computed while writing).
 
-    CPU-heavy and blocking: call ``await asyncio.to_thread(make_snapshot, ...)`` from the event loop.
+    The tensors may be live (on any device) as long as nothing changes them until this returns: the engine
+    writes between two optimizer steps. CPU-heavy and blocking: run it in a thread.
     """
     _check_range_bytes(range_bytes)
     named: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model_state.items()}
@@ -174,8 +254,8 @@ def make_snapshot(
                 raise TypeError(
                     f"optimizer state {index}.{key} is a {type(value).__name__}; expected a tensor"
                 )
-    tensors, aliases = _flat_cpu(named)
-    header = {
+    stored, aliases = _plan(named)
+    header_values = {
         "format": FORMAT,
         "run_id": run_id,
         "step": step,
@@ -186,12 +266,90 @@ def make_snapshot(
         "scheduler": scheduler_state,
         "aliases": aliases,
     }
-    meta = json.dumps(header, default=_json_default, sort_keys=True, allow_nan=False)
-    data = safetensors_save(tensors, metadata={META_KEY: meta})
-    return describe(data, run_id=run_id, step=step, range_bytes=range_bytes)
+    meta = json.dumps(header_values, default=_json_default, sort_keys=True, allow_nan=False)
+    header: dict[str, Any] = {"__metadata__": {META_KEY: meta}}
+    offset = 0
+    for name, t in stored:
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+    hasher = _RangeHasher(range_bytes)
+
+    def put(data: memoryview) -> None:
+        hasher.update(data)
+        out.write(data)
+
+    put(memoryview(len(encoded).to_bytes(8, "little")))
+    put(memoryview(encoded))
+    for _, t in stored:
+        flat = t.reshape(-1)
+        step_elems = max(1, _WRITE_BYTES // t.element_size())
+        for start in range(0, flat.numel(), step_elems):
+            piece = flat[start : start + step_elems]
+            if piece.device.type != "cpu":
+                piece = piece.to("cpu")  # sync: one piece at a time, device→host
+            piece = piece.contiguous()
+            put(memoryview(piece.view(torch.uint8).numpy()))
+    content_hash, ranges = hasher.finish()
+    return StateManifest(
+        run_id=run_id,
+        step=step,
+        content_hash=content_hash,
+        total_bytes=hasher.total,
+        range_bytes=range_bytes,
+        range_sha256=ranges,
+    )
 
 
-def _read_header(data: bytes) -> SnapshotHeader:
+def make_snapshot(
+    *,
+    run_id: str,
+    step: int,
+    recipe: str,
+    args: dict[str, int | float | str | bool],
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    scheduler_state: dict[str, Any] | None,
+    range_bytes: int = 4 * MiB,
+) -> Snapshot:
+    """:func:`write_snapshot` into memory: a :class:`Snapshot` holding its bytes (small states, tests)."""
+    buffer = io.BytesIO()
+    manifest = write_snapshot(
+        buffer,
+        run_id=run_id,
+        step=step,
+        recipe=recipe,
+        args=args,
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        scheduler_state=scheduler_state,
+        range_bytes=range_bytes,
+    )
+    return Snapshot.of(manifest, data=buffer.getvalue())
+
+
+def save_snapshot(path: Path, **fields: Any) -> Snapshot:
+    """:func:`write_snapshot` into the file ``path`` (replaced atomically): a file-backed :class:`Snapshot`."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            manifest = write_snapshot(f, **fields)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return Snapshot.of(manifest, path=path)
+
+
+def _read_header(data: bytes) -> tuple[SnapshotHeader, dict[str, Any], int]:
+    """The crowdtrain header, the safetensors tensor table and where the tensor data starts, from the
+    first bytes of a snapshot (at least the whole safetensors header)."""
     if len(data) < 8:
         raise ProtocolError("state snapshot is shorter than a safetensors header")
     size = int.from_bytes(data[:8], "little")
@@ -211,19 +369,11 @@ def _read_header(data: bytes) -> SnapshotHeader:
         raise ProtocolError(f"state snapshot header: {exc}") from None
     if header.format != FORMAT:
         raise ProtocolError(f"state snapshot format {header.format} is not {FORMAT}; upgrade crowdtrain")
-    return header
+    table = {k: v for k, v in raw.items() if k != "__metadata__"}
+    return header, table, 8 + size
 
 
-def load_snapshot(data: bytes) -> LoadedState:
-    """Parse snapshot bytes (from a peer: already checked against the content hash) without pickle.
-
-    CPU-heavy and blocking: call ``await asyncio.to_thread(load_snapshot, data)``.
-    """
-    header = _read_header(data)
-    try:
-        tensors = safetensors_load(data)  # safetensors, never pickle
-    except Exception as exc:  # safetensors raises its own SafetensorError for any defect
-        raise ProtocolError(f"state snapshot is not a valid safetensors file ({exc})") from None
+def _assemble(header: SnapshotHeader, tensors: dict[str, torch.Tensor]) -> LoadedState:
     for name, target in header.aliases.items():
         if target not in tensors or name in tensors:
             raise ProtocolError(f"state snapshot alias {name!r} → {target!r} does not name a stored tensor")
@@ -251,3 +401,56 @@ def load_snapshot(data: bytes) -> LoadedState:
         optimizer_state={"state": dict(sorted(optim.items())), "param_groups": header.param_groups},
         scheduler_state=header.scheduler,
     )
+
+
+def load_snapshot(source: bytes | Path) -> LoadedState:
+    """Parse a snapshot (from a peer: already checked against the content hash) without pickle: its bytes,
+    or a file, read tensor by tensor into fresh tensors (never held twice in memory).
+
+    CPU-heavy and blocking: call ``await asyncio.to_thread(load_snapshot, source)``.
+    """
+    if not isinstance(source, Path):
+        header, _, _ = _read_header(source)
+        try:
+            tensors = safetensors_load(source)  # safetensors, never pickle
+        except Exception as exc:  # safetensors raises its own SafetensorError for any defect
+            raise ProtocolError(f"state snapshot is not a valid safetensors file ({exc})") from None
+        return _assemble(header, tensors)
+    with open(source, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        size = int.from_bytes(first, "little") if len(first) == 8 else 0
+        head = first + f.read(min(size, 100 * MiB))
+        header, table, base = _read_header(head)
+        tensors = {}
+        expected = 0
+        for name, entry in sorted(table.items(), key=lambda kv: _offsets(kv[0], kv[1])[0]):
+            begin, end = _offsets(name, entry)
+            dtype = _TORCH_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            if (
+                dtype is None
+                or not isinstance(shape, list)
+                or not all(isinstance(d, int) and d >= 0 for d in shape)
+            ):
+                raise ProtocolError(f"state snapshot tensor {name!r} has a bad dtype or shape")
+            count = math.prod(shape)
+            if begin != expected or end - begin != count * dtype.itemsize or base + end > total:
+                raise ProtocolError(f"state snapshot tensor {name!r} has bad data offsets")
+            expected = end
+            t = torch.empty(shape, dtype=dtype)
+            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if count else memoryview(b"")
+            f.seek(base + begin)
+            if f.readinto(view) != len(view):
+                raise ProtocolError(f"state snapshot ends inside tensor {name!r}")
+            tensors[name] = t
+        if base + expected != total:
+            raise ProtocolError("state snapshot has bytes after its last tensor")
+    return _assemble(header, tensors)
+
+
+def _offsets(name: str, entry: Any) -> tuple[int, int]:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise ProtocolError(f"state snapshot tensor {name!r} has no valid data_offsets")
+    return offsets[0], offsets[1]

@@ -123,7 +123,8 @@ def describe(event: ev.Event) -> tuple[str, str]:
             share = event.contributed_samples / event.group_samples if event.group_samples else None
             return "info", (
                 f"step {event.step} done: {event.contributed_samples}/{event.group_samples} samples "
-                f"from this machine ({fmt_percent(share)}), lr {event.lr:.3g}, {fmt_duration(event.step_time_s)}"
+                f"from this machine ({fmt_percent(share)}), lr {event.lr:.3g}, {fmt_duration(event.step_time_s)}, "
+                f"compute {fmt_percent(event.compute_share)}"
             )
         case ev.StepMissed():
             return "warning", (
@@ -133,7 +134,8 @@ def describe(event: ev.Event) -> tuple[str, str]:
         case ev.LocalTraining():
             return "info", (
                 f"loss {fmt_float(event.loss)}, {event.samples} samples toward this step, "
-                f"{fmt_speed(event.samples_per_s)}, {event.micro_batches} micro-batches"
+                f"{fmt_speed(event.samples_per_s)}, {event.micro_batches} micro-batches, "
+                f"compute {fmt_percent(event.compute_share)}"
             )
         case ev.LogLine():
             level = event.level.lower()

@@ -199,6 +199,7 @@ def local_rows(state: ViewState) -> list[Row]:
     return [
         ("loss", loss),
         ("speed", _value(fmt_speed(state.local_samples_per_s) if state.micro_batches else MISSING)),
+        ("compute", _value(fmt_percent(state.compute_share))),
         ("this step", _value(_plural(state.local_samples, "sample"))),
         ("my share", _value(share_text)),
         (

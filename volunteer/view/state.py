@@ -73,6 +73,9 @@ class ViewState:
     local_samples: int = 0
     local_samples_per_s: float = 0.0
     micro_batches: int = 0
+    # share of wall time since the first micro-batch spent computing gradients that entered an average;
+    # the newest known figure (an event that does not know it keeps the last one)
+    compute_share: float | None = None
     # data set
     chunks_held: int = 0
     chunks_total: int = 0
@@ -235,6 +238,7 @@ def _step_done(s: ViewState, e: ev.StepDone) -> ViewState:
         recent_steps=_tail(s.recent_steps, recent, RECENT_STEPS),
         steps_done=s.steps_done + 1,
         lr=e.lr,
+        compute_share=s.compute_share if e.compute_share is None else e.compute_share,
         local_step=e.step + 1,
         global_step=_max_step(s.global_step, e.step + 1),
         local_samples=0,
@@ -260,6 +264,7 @@ def _local(s: ViewState, e: ev.LocalTraining) -> ViewState:
         local_samples=e.samples,
         local_samples_per_s=e.samples_per_s,
         micro_batches=e.micro_batches,
+        compute_share=s.compute_share if e.compute_share is None else e.compute_share,
     )
 
 
