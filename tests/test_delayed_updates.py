@@ -45,9 +45,7 @@ def test_delayed_updates_reach_a_held_out_loss_within_5_percent_of_immediate_one
     ]
     losses = {}
     for delay in (0, 1):
-        params = replay_reference(
-            "tiny-gpt", DEMO_ARGS, _Spec.optimizer, _Spec.schedule, steps, delay=delay
-        )
+        params = replay_reference("tiny-gpt", DEMO_ARGS, _Spec.optimizer, _Spec.schedule, steps, delay=delay)
         assert len(params) == STEPS
         losses[delay] = held_out_loss(_Spec, params[-1])
     before = held_out_loss(_Spec, None)

@@ -450,7 +450,10 @@ class Tracker:
             if not (math.isfinite(fvalue) and fvalue > 0):
                 raise bad(field, f"must be a positive number, got {fvalue}")
         if msg.averaging.delay not in (0, 1):
-            raise bad("averaging.delay", f"must be 0 (apply each step's average at once) or 1, got {msg.averaging.delay}")
+            raise bad(
+                "averaging.delay",
+                f"must be 0 (apply each step's average at once) or 1, got {msg.averaging.delay}",
+            )
         if msg.join_policy == "token" and not msg.join_token:
             raise bad("join_token", "is required when join_policy is 'token'")
         try:
