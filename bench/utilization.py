@@ -11,7 +11,7 @@ history; the same run (data set, model, target batch, steps, codec) is repeated 
     .venv/bin/python bench/utilization.py --d-model 768 --layers 12 --threads 4 --target 64 --markdown
 
 Definitions. The steady-state window runs from the close of step 1 to the close of the last step (the
-tracker's ``closed_at``): it holds the compute of steps 2.. last (the first two steps, with their joins
+tracker's ``closed_at``): it holds the compute of steps 2 to the last (the first two steps, with their joins
 and first chunks, are skipped), with either delay.
 - compute share (engine): the last ``StepDone.compute_share`` a volunteer reported: seconds computing
   gradients that entered an average ÷ wall time since its first micro-batch (start-up included);
@@ -22,6 +22,7 @@ and first chunks, are skipped), with either delay.
   averaged over the window's steps and the volunteers; compute s/step likewise from ``StepDone.compute_s``.
   With delay 1 the two overlap, so they compete for the same cores;
 - batch/target: the samples the tracker credited to a step ÷ the target, over all steps.
+BENCH_DEBUG=1 also prints each step's close and each volunteer's samples, compute and rounds (stderr).
 """
 
 from __future__ import annotations
@@ -213,6 +214,26 @@ def phase_shares(events: list[Any], t0: float, t1: float) -> dict[str, float]:
     return {k: v / (t1 - t0) for k, v in spent.items()}
 
 
+def debug(procs: list[Proc], closed: dict[int, Any], t0: float) -> None:
+    """Per step: what the tracker credited and when it closed; per volunteer: samples, compute, rounds."""
+    from crowdtrain.volunteer import events as ev
+
+    for s, r in sorted(closed.items()):
+        print(
+            f"step {s}: closed at {r.closed_at - t0:+.2f} s, {r.samples} samples, open {r.duration_s:.2f} s",
+            file=sys.stderr,
+        )
+    for p in procs:
+        done = [
+            f"{e.step}:{e.contributed_samples}/{e.compute_s:.2f}s@{e.t - t0:+.2f}"
+            for e in p.events
+            if isinstance(e, ev.StepDone)
+        ]
+        rounds = [f"{e.step}:{e.duration_s:.2f}s" for e in p.events if isinstance(e, ev.RoundDone)]
+        print(f"{p.name} steps (samples/compute@t): {' '.join(done)}", file=sys.stderr)
+        print(f"{p.name} rounds: {' '.join(rounds)}", file=sys.stderr)
+
+
 def measure(delay: int, procs: list[Proc], records: dict[int, Any], args: argparse.Namespace) -> dict:
     from crowdtrain.volunteer import events as ev
 
@@ -223,6 +244,7 @@ def measure(delay: int, procs: list[Proc], records: dict[int, Any], args: argpar
     t0, t1 = closed[SKIP - 1].closed_at, closed[last].closed_at
     window = range(SKIP, last + 1)
     engine_share, outside_share, compute, allreduce, missed, devices = [], [], [], [], 0, set()
+    notes: list[str] = []
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
     for p in procs:
         done = {e.step: e for e in p.events if isinstance(e, ev.StepDone)}
@@ -237,8 +259,20 @@ def measure(delay: int, procs: list[Proc], records: dict[int, Any], args: argpar
         allreduce += rounds.values()
         missed += sum(isinstance(e, ev.StepMissed) for e in p.events)
         devices |= {e.device for e in p.events if isinstance(e, ev.Joined)}
+        notes += [
+            f"{p.name}: {e.level} {e.message}"
+            for e in p.events
+            if isinstance(e, ev.LogLine) and e.level in ("WARNING", "ERROR", "CRITICAL")
+        ]
+        notes += [
+            f"{p.name}: round of step {e.step} failed: {e.reason}"
+            for e in p.events
+            if isinstance(e, ev.RoundFailed)
+        ]
         for k, v in phase_shares(p.events, t0, t1).items():
             phases.setdefault(k, []).append(v)
+    if os.environ.get("BENCH_DEBUG"):
+        debug(procs, closed, t0)
     known = [s for s in engine_share if s is not None]
     ratios = [closed[s].samples / args.target for s in sorted(closed)]
     compute_s = statistics.fmean(compute) if compute else float("nan")
@@ -259,6 +293,7 @@ def measure(delay: int, procs: list[Proc], records: dict[int, Any], args: argpar
         "batch/target": (statistics.median(ratios), min(ratios), max(ratios)),
         "missed": missed,
         "bad lines": sum(p.bad_lines for p in procs),
+        "notes": notes,
     }
 
 
@@ -282,6 +317,9 @@ def report(row: dict) -> str:
         + ("" if row["compute/all-reduce"] >= 3 else "  (below 3×: use a larger model or batch)"),
         "  phases  " + ", ".join(f"{k} {pct(v)}" for k, v in row["phases"].items()),
     ]  # fmt: skip
+    if row["notes"]:
+        lines.append(f"  {len(row['notes'])} warnings from the volunteers, e.g.:")
+        lines += [f"    {n}" for n in row["notes"][:5]]
     if row["bad lines"]:
         lines.append(f"  ({row['bad lines']} unreadable event lines)")
     return "\n".join(lines)
@@ -340,6 +378,12 @@ async def main() -> None:
         f"{args.steps} steps",
         flush=True,
     )
+    if args.device != "cuda" and args.volunteers * args.threads > cores():
+        print(
+            f"note: {args.volunteers} volunteers × {args.threads} thread(s) on {cores()} cores: each volunteer's "
+            "compute time includes time waiting for a core, so shares and compute/all-reduce are inflated",
+            flush=True,
+        )
     rows = []
     with tempfile.TemporaryDirectory(prefix="crowdtrain-utilization-") as tmp:
         for delay in (int(x) for x in args.delays.split(",")):

@@ -2,7 +2,7 @@
 the honest volunteers reject or clip its contribution, stay equal and finite, and keep learning.
 
 All volunteers run in this process over real servers. The fault is injected through one seam: the poisoned
-volunteer's ``trainer.flat_grad`` is wrapped once its trainer exists, so everything it sends is built and
+volunteer's ``trainer.take_grad`` is wrapped once its trainer exists, so everything it sends is built and
 signed by the real engine and averager.
 """
 
@@ -54,18 +54,18 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
         tasks = [asyncio.create_task(v.run()) for v in vols]
         bad = vols[2]
         await until(lambda: bad.trainer is not None, 60, "the poisoned volunteer's trainer")
-        honest_grad = bad.trainer.flat_grad
+        honest_grad = bad.trainer.take_grad
         poisoned: set[int] = set()  # steps it sent a poisoned copy in
 
-        def poisoned_grad():
+        def poisoned_grad(into=None):
             # it attacks once everyone computes (from step 1: at step 0 a volunteer that got data first may
             # be allotted the whole batch) and when its copy carries weight
             if bad.step == 0 or bad.trainer.samples == 0:
-                return honest_grad()
+                return honest_grad(into)
             poisoned.add(bad.step)
-            return POISONS[poison](honest_grad())
+            return POISONS[poison](honest_grad(into))
 
-        bad.trainer.flat_grad = poisoned_grad
+        bad.trainer.take_grad = poisoned_grad
         try:
             summaries = await asyncio.wait_for(asyncio.gather(*tasks[:2]), 150)
         finally:

@@ -2,7 +2,7 @@
 tracker, a real seeder and real peer servers (in one process).
 
 The hostile volunteer is an ordinary :class:`Volunteer` with seams set once it has joined (its trainer's
-``flat_grad`` and its averager's calls are wrapped); each step it misbehaves in another way:
+``take_grad`` and its averager's calls are wrapped); each step it misbehaves in another way:
 
 ====  ==========================================  =====================================================
 step  what it sends                               what the honest part owners do
@@ -60,15 +60,16 @@ class Hostile(Volunteer):
     def _arm(self) -> None:
         trainer, averager = self.trainer, self.averager
         assert trainer is not None
-        flat_grad, apply, allreduce = trainer.flat_grad, trainer.apply, averager.allreduce
+        take_grad, apply, allreduce = trainer.take_grad, trainer.apply, averager.allreduce
         prepare, exchange = averager._prepare, averager._exchange
         size = {}
 
-        def bad_grad() -> np.ndarray:
-            g = flat_grad()
+        def bad_grad(into=None) -> np.ndarray:
+            samples = trainer.samples
+            g = take_grad(into)
             size["n"] = g.size
             mode = self.mode()
-            if trainer.samples > 0:  # with weight 0 (its share of the step was 0) it sends no values
+            if samples > 0:  # with weight 0 (its share of the step was 0) it sends no values
                 self.sent[self.step] = mode
             if mode == "nan":
                 g[::97] = np.nan
@@ -101,7 +102,7 @@ class Hostile(Volunteer):
             else:
                 await exchange(rnd, owner, vector, weight, tag, output, failed)
 
-        trainer.flat_grad = bad_grad
+        trainer.take_grad = bad_grad
         trainer.apply = bad_apply
         averager.allreduce = bad_allreduce
         averager._prepare = lenient_prepare
@@ -210,11 +211,12 @@ class LyingDonor(Volunteer):
             publish = self.state_server.publish
 
             def lying_publish(snapshot: Snapshot) -> None:
-                data = bytearray(snapshot.data)
+                data = bytearray(snapshot.read(0, snapshot.size))
+                snapshot.discard()
                 rb = snapshot.manifest.range_bytes
                 for offset in range(rb // 2, len(data), rb):
                     data[offset] ^= 0x5A
-                publish(Snapshot(bytes(data), snapshot.manifest, snapshot.version))
+                publish(Snapshot.of(snapshot.manifest, data=bytes(data)))
 
             self.state_server.publish = lying_publish
         super().emit(event)
