@@ -1,13 +1,16 @@
 """The ``crowdtrain`` command: a typer root that mounts one sub-app per area, and the exit codes.
 
-Exit codes live here and nowhere else: 0 ok, 1 a :class:`CrowdtrainError` (its sentence on stderr, no
-traceback), 2 usage, 130 interrupted.
+Exit codes: 0 ok, 1 an error a user can cause (its sentence on stderr, no traceback), 2 usage, 130
+interrupted. Errors a user can cause: a :class:`CrowdtrainError` (also from inside a task group), an
+operating-system refusal (a port in use, a path that cannot be written) and a file that is not the SQLite
+database it was said to be.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sqlite3
 import sys
 from dataclasses import dataclass
 
@@ -91,9 +94,34 @@ def main(argv: list[str] | None = None) -> None:
     """
     try:
         app(args=argv, prog_name="crowdtrain")
-    except CrowdtrainError as exc:
-        typer.echo(f"error: {exc}", err=True)
+    except BaseExceptionGroup as group:  # from a task group: the first error a user can cause, if any
+        sentence = _sentence(group)
+        if sentence is None:
+            raise
+        typer.echo(f"error: {sentence}", err=True)
+        sys.exit(EXIT_ERROR)
+    except (CrowdtrainError, OSError, sqlite3.DatabaseError) as exc:
+        typer.echo(f"error: {_sentence(exc)}", err=True)
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _sentence(exc: BaseException) -> str | None:
+    """The one sentence for an error a user can cause; None for anything else (a bug: its traceback shows)."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            sentence = _sentence(inner)
+            if sentence is not None:
+                return sentence
+        return None
+    if isinstance(exc, CrowdtrainError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        what = exc.strerror or str(exc) or type(exc).__name__
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{what}{where}"
+    if isinstance(exc, sqlite3.DatabaseError):
+        return f"the tracker's database cannot be used: {exc}; give --db a path of a crowdtrain database or a new file"
+    return None

@@ -87,6 +87,10 @@ def test_demo_with_two_volunteers_runs_to_its_summary_and_leaves_no_process(cli_
     assert loss, out.stdout[-2000:]
     assert float(loss.group(2)) < float(loss.group(1))
     assert re.search(r"global steps\s+5 ", out.stdout)
+    # one event, one line, whatever the width: a pipe is no reason to wrap (issue 15)
+    joined = [line for line in out.stdout.splitlines() if " joined run " in line]
+    assert joined and all(len(line) > 80 and "codec" in line for line in joined), joined
+    assert re.search(r"compute share\s+mean \d+%", out.stdout), out.stdout[-2000:]
     run_id = re.search(r"^run\s+(\S+)", out.stdout, re.M).group(1)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert run_id not in ps, [line for line in ps.splitlines() if run_id in line]

@@ -320,7 +320,9 @@ def manual_loop(opt: OptimizerSpec, sched: ScheduleSpec, steps) -> list[np.ndarr
         {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]
     if opt.name == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+        optimizer = torch.optim.AdamW(
+            groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, fused=True
+        )
     else:
         optimizer = torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum)
     out = []

@@ -83,7 +83,9 @@ def make_optimizer(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     if spec.name == "adamw":
-        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps)
+        # fused: one kernel over every tensor (about a third quicker than foreach on a CPU); every peer and
+        # the replay build the same optimizer, so they round alike
+        return torch.optim.AdamW(groups, lr=spec.lr, betas=(spec.beta1, spec.beta2), eps=spec.eps, fused=True)
     return torch.optim.SGD(groups, lr=spec.lr, momentum=spec.momentum)
 
 

@@ -74,7 +74,7 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
     from crowdtrain.volunteer.view.demo import DemoRow, render_demo
     from crowdtrain.volunteer.view.state import ViewState
 
-    console = Console()
+    console = Console(soft_wrap=True)  # one event, one line, whatever the width (a pipe is 80 columns)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="crowdtrain-demo-") as tmp_name:
         tmp = Path(tmp_name)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
 import socket
 
 import typer
 
 from crowdtrain.commands.common import run_async
+from crowdtrain.protocol.errors import CrowdtrainError
 
 app = typer.Typer(
     help="Run the tracker: BitTorrent announces, runs, volunteers, matchmaking.", no_args_is_help=True
@@ -132,6 +134,20 @@ async def _serve(config) -> None:  # config: TrackerConfig
             typer.echo(f"database: {config.db}")
             await stop.wait()
             typer.echo("stopping the tracker")
+    except* OSError as group:  # (the tracker's task group wraps what its start raised)
+        exc = group.exceptions[0]
+        if not isinstance(exc, OSError) or exc.errno not in (
+            errno.EADDRINUSE,
+            errno.EADDRNOTAVAIL,
+            errno.EACCES,
+        ):
+            raise
+        reason = {errno.EADDRINUSE: "the port is in use", errno.EACCES: "permission denied"}.get(
+            exc.errno, "no interface has that address"
+        )
+        raise CrowdtrainError(
+            f"cannot listen on {config.host}:{config.port} ({reason}); choose another --port or --host"
+        ) from None
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

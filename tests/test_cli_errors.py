@@ -1,0 +1,92 @@
+"""Every error a user can cause at the command line ends in one sentence on stderr and exit 1: no
+traceback, also when the error is raised inside a task group (issue 16)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def crowdtrain(cli_env, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "crowdtrain", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=timeout,
+    )
+
+
+def assert_one_sentence(out: subprocess.CompletedProcess, *words: str) -> None:
+    assert out.returncode == 1, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.fixture
+def live_tracker(cli_env, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "crowdtrain",
+            "tracker",
+            "serve",
+            "--port",
+            "0",
+            "--db",
+            str(tmp_path / "t.db"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=cli_env,
+    )
+    try:
+        url = None
+        for line in proc.stdout:
+            if m := re.match(r"tracker listening on (\S+)", line):
+                url = m.group(1)
+                break
+        assert url, "the tracker printed no URL"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        proc.stdout.close()
+
+
+def test_join_of_a_run_the_tracker_does_not_know(cli_env, live_tracker, tmp_path):
+    out = crowdtrain(
+        cli_env, "join", "nosuchrun", "--tracker", live_tracker, "--data-dir", str(tmp_path / "v")
+    )
+    assert_one_sentence(out, "nosuchrun")
+
+
+def test_tracker_serve_on_a_port_in_use(cli_env, tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = crowdtrain(cli_env, "tracker", "serve", "--port", str(port), "--db", str(tmp_path / "t.db"))
+    assert_one_sentence(out, f"127.0.0.1:{port}", "in use", "--port")
+
+
+def test_tracker_serve_with_a_db_that_is_not_a_database(cli_env, tmp_path):
+    bogus = tmp_path / "notes.txt"
+    bogus.write_text("these are my notes, not a database\n" * 100)
+    out = crowdtrain(cli_env, "tracker", "serve", "--port", "0", "--db", str(bogus))
+    assert_one_sentence(out, "database", "--db")
+    assert bogus.read_text().startswith("these are my notes"), "the file was changed"
+
+
+def test_dataset_make_into_a_path_that_cannot_be_a_folder(cli_env):
+    out = crowdtrain(cli_env, "dataset", "make", "builtin:stdlib", "--out", "/dev/null/x")
+    assert_one_sentence(out, "/dev/null/x")
