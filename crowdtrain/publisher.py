@@ -12,6 +12,7 @@ from typing import Any
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import RunCreate, convert
+from crowdtrain.protocol.runcheck import check_run
 
 
 def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], bytes]:
@@ -87,4 +88,6 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
         "torrent": base64.b64encode(torrent).decode(),
         **settings,
     }
-    return convert(doc, RunCreate)
+    create = convert(doc, RunCreate)
+    check_run(create)  # the tracker and every volunteer make the same check
+    return create

@@ -491,3 +491,49 @@ async def test_unspecified_host_means_the_address_the_request_came_from(admin, r
             await asyncio.sleep(0.02)
         else:
             pytest.fail("the tracker did not reach 127.0.0.1 for a declared 0.0.0.0 address")
+
+
+def _with(path: str, value):
+    """A RunCreate as JSON with one field (``a.b.c``, list indices as numbers) set to ``value``."""
+
+    def mutate(doc: dict) -> dict:
+        node = doc
+        *parents, last = path.split(".")
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        node[int(last) if last.isdigit() else last] = value
+        return doc
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (_with("micro_batch_size", 10**12), "micro_batch_size"),
+        (_with("seed", 2**64), "seed"),
+        (_with("averaging.clip_multiple", -1), "averaging.clip_multiple"),
+        (_with("averaging.subframe_elements", 0), "averaging.subframe_elements"),
+        (_with("averaging.zstd_level", 1000), "averaging.zstd_level"),
+        (_with("averaging.group_size", 10**9), "averaging.group_size"),
+        (_with("averaging.delay", 2), "averaging.delay"),
+        (_with("optimizer.beta1", 1.5), "optimizer.beta1"),
+        (_with("schedule.min_lr_ratio", 2.0), "schedule.min_lr_ratio"),
+        (_with("dataset.web_seed", "file:///etc/passwd"), "dataset.web_seed"),
+        (_with("dataset.manifest.chunks.0.name", "../../../etc/passwd"), "dataset.manifest.chunks[0].name"),
+        (_with("dataset.manifest.chunks.0.samples", -5), "dataset.manifest.chunks[0].samples"),
+    ],
+)
+async def test_create_refuses_a_run_no_volunteer_could_run_naming_the_field(tracker, mutate, field):
+    """The tracker makes the check `run create` and every volunteer make (protocol/runcheck.py): each field
+    out of range is refused with a sentence that names it (issue 16)."""
+    doc = mutate(json.loads(encode(make_run_create(target_batch_size=100))))
+    got, reply = await raw(
+        tracker,
+        "POST",
+        "/api/v1/runs",
+        json.dumps(doc).encode(),
+        {"Authorization": f"Bearer {tracker.admin_token}"},
+    )
+    assert got == 400, (got, reply[:300])
+    assert error_of(reply).startswith(f"RunCreate: {field} "), error_of(reply)

@@ -59,10 +59,11 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
 
     caught = summaries[2].caught_up_to
     assert caught is not None and caught >= LATE_AT, summaries[2]
-    # It trained during the download: its local sample count grew between the start and the end of it.
+    # It trained during the download: it computed micro-batches between the start and the end of it (their
+    # gradients go to the rounds with weight 0, so its sample count starts again at every step).
     started = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateSyncStarted))
     loaded = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateLoaded))
-    during = [e.samples for e in seen[started:loaded] if isinstance(e, ev.LocalTraining)]
+    during = [e.micro_batches for e in seen[started:loaded] if isinstance(e, ev.LocalTraining)]
     assert len(during) >= 2 and during[-1] > during[0], during
     # From the step it switched at, it holds exactly the others' parameters.
     compared = 0

@@ -36,7 +36,7 @@ from typing import Any
 from aiohttp import web
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
-from crowdtrain.protocol.errors import AuthError, CrowdtrainError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.errors import AuthError, ConfigError, CrowdtrainError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     HEX40,
@@ -61,6 +61,7 @@ from crowdtrain.protocol.messages import (
     decode,
     encode,
 )
+from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
 from crowdtrain.tracker.collab import Peer, RunState
@@ -419,10 +420,10 @@ class Tracker:
         def bad(field: str, problem: str) -> ApiError:
             return ApiError(400, f"RunCreate: {field} {problem}")
 
-        if not msg.name or len(msg.name) > 200:
-            raise bad("name", "must be 1 to 200 characters long")
-        if not msg.model.recipe or len(msg.model.recipe) > 200:
-            raise bad("model.recipe", "must be 1 to 200 characters long")
+        try:
+            check_run(msg)  # the same check `run create` and every volunteer make
+        except ConfigError as exc:
+            raise bad(exc.field, exc.problem) from None
         if not HEX64.match(msg.model.param_hash):
             raise bad(
                 "model.param_hash",
@@ -430,30 +431,6 @@ class Tracker:
             )
         if not HEX40.match(msg.dataset.infohash):
             raise bad("dataset.infohash", "must be 40 lowercase hex characters (a v1 info-hash)")
-        for field, value, lo in (
-            ("target_batch_size", msg.target_batch_size, 1),
-            ("micro_batch_size", msg.micro_batch_size, 1),
-            ("averaging.group_size", msg.averaging.group_size, 2),
-            ("averaging.min_group_size", msg.averaging.min_group_size, 1),
-            ("averaging.average_state_every", msg.averaging.average_state_every, 0),
-            ("schedule.total_steps", msg.schedule.total_steps, 1),
-            ("schedule.warmup_steps", msg.schedule.warmup_steps, 0),
-        ):
-            if not lo <= value <= MAX_INT:
-                raise bad(field, f"must be at least {lo}, got {value}")
-        for field, fvalue in (
-            ("averaging.round_timeout_s", msg.averaging.round_timeout_s),
-            ("averaging.gather_s", msg.averaging.gather_s),
-            ("averaging.step_timeout_s", msg.averaging.step_timeout_s),
-            ("optimizer.lr", msg.optimizer.lr),
-        ):
-            if not (math.isfinite(fvalue) and fvalue > 0):
-                raise bad(field, f"must be a positive number, got {fvalue}")
-        if msg.averaging.delay not in (0, 1):
-            raise bad(
-                "averaging.delay",
-                f"must be 0 (apply each step's average at once) or 1, got {msg.averaging.delay}",
-            )
         if msg.join_policy == "token" and not msg.join_token:
             raise bad("join_token", "is required when join_policy is 'token'")
         try:

@@ -33,6 +33,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,6 +58,7 @@ from crowdtrain.protocol.messages import (
     RunSpec,
     StateDeclare,
 )
+from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager, part_bounds
@@ -81,6 +83,46 @@ IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step
 SNAPSHOT_SPACING = (
     4.0  # after a snapshot took t seconds to write, the next starts t × this later at the soonest
 )
+
+
+class _Replay:
+    """The averages a catching-up peer receives, kept in files until the fetched state is loaded: a fetch
+    may take several steps, and each held in memory would cost a vector of the model's size."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._steps: dict[int, bool] = {}  # step -> whether averaged parameters came with it
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._steps
+
+    def _path(self, step: int, what: str) -> Path:
+        return self.folder / f"replay-{step}-{what}.npy"
+
+    def put(self, step: int, mean: np.ndarray, params: np.ndarray | None) -> None:
+        """Blocking (writes files): call it in a thread."""
+        np.save(self._path(step, "grad"), mean)
+        if params is not None:
+            np.save(self._path(step, "params"), params)
+        self._steps[step] = params is not None
+
+    def take(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Blocking (reads files): call it in a thread."""
+        has_params = self._steps.pop(step)
+        mean = np.load(self._path(step, "grad"))
+        self._path(step, "grad").unlink()
+        params = None
+        if has_params:
+            params = np.load(self._path(step, "params"))
+            self._path(step, "params").unlink()
+        return mean, params
+
+    def clear(self) -> None:
+        for step, has_params in self._steps.items():
+            self._path(step, "grad").unlink(missing_ok=True)
+            if has_params:
+                self._path(step, "params").unlink(missing_ok=True)
+        self._steps.clear()
 
 
 @dataclass(slots=True)
@@ -193,8 +235,8 @@ class Volunteer:
         self._reachability: tuple | None = None
         self._chunks_held = 0
         self._pending_state: asyncio.Task | None = None
-        # While catching up: step -> (averaged gradient, averaged parameters or None), replayed on load.
-        self._replay: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        # While catching up: each step's averaged gradient (and parameters), replayed on load.
+        self._replay = _Replay(config.data_dir / "crowdtrain-state")
         # the mean gradient lands in these, phase by phase, reused every step
         self._mean_bufs: list[np.ndarray | None] = [None, None]
         self.delay = 0  # the run's averaging.delay, set on joining
@@ -209,7 +251,7 @@ class Volunteer:
         self._snapshot_task: asyncio.Task | None = None
         self._snapshot_writing: asyncio.Future | None = None  # the write itself (it reads live tensors)
         self._snapshot_next_at = 0.0  # monotonic: no new snapshot before this
-        self._state_dir = config.data_dir / "crowdtrain-state"
+        self._state_dir = config.data_dir / "crowdtrain-state"  # snapshots, a fetched state, the replay
         self.state_server: StateServer | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -239,6 +281,7 @@ class Volunteer:
         async with TrackerClient(cfg.tracker_url, timeout_s=cfg.tracker_timeout_s) as tracker:
             self.tracker = tracker
             spec = await tracker.get_spec(cfg.run_id)
+            check_run(spec)  # a run no volunteer can run is refused here with the field's name
             self.spec = spec
             recipe = get_recipe(spec.model.recipe)
             model = await asyncio.to_thread(recipe.build, dict(spec.model.args))
@@ -799,8 +842,7 @@ class Volunteer:
             params = rnd.params
             if not self.delay and rnd.average_params:
                 params = await self._average_params(rnd.phases)
-            mean = rnd.mean if rnd.catching_up else rnd.mean.copy()  # (not a reused buffer)
-            self._replay[rnd.step] = (mean, params)
+            await asyncio.to_thread(self._replay.put, rnd.step, rnd.mean, params)
             return
         self._phase("stepping")
         await self._snapshot_written()  # the write reads the tensors this step changes
@@ -999,16 +1041,18 @@ class Volunteer:
         if self.delay and self._round_task is not None:
             await self._conclude(await self._await_round())  # kept for the replay: still catching up
         task, self._pending_state = self._pending_state, None
-        replay, self._replay = self._replay, {}
+        replay = self._replay
         try:
             loaded = task.result()
         except (StateSyncError, TrackerError) as exc:
+            replay.clear()
             # Its parameters are not the run's: keep taking part with weight 0 and try again.
             self._note(logging.WARNING, "state catch-up failed (%s); trying again", exc)
             await asyncio.sleep(1.0)
             self._start_catch_up()
             return
         if loaded is None:
+            replay.clear()
             self._applied = max(0, self.step - self.delay)
             if self.record:
                 self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
@@ -1032,6 +1076,7 @@ class Volunteer:
         needed = range(loaded.step, self.step if pending_step is not None else target)
         missing = [s for s in needed if s not in replay]
         if missing:
+            replay.clear()
             self._note(
                 logging.INFO,
                 "state of step %d arrived but steps %s passed unseen; fetching a newer one",
@@ -1046,7 +1091,7 @@ class Volunteer:
             self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
         )
         for s in range(loaded.step, target):
-            grad, params = replay.pop(s)
+            grad, params = await asyncio.to_thread(replay.take, s)
             if self.delay and params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
             await asyncio.to_thread(self.trainer.apply, grad, s)
@@ -1059,7 +1104,7 @@ class Volunteer:
         else:
             self._applied = target
             if pending_step is not None and pending_step >= loaded.step:
-                grad, params = replay[pending_step]
+                grad, params = await asyncio.to_thread(replay.take, pending_step)
                 done = asyncio.get_running_loop().create_future()
                 done.set_result(
                     _Round(
@@ -1075,6 +1120,7 @@ class Volunteer:
                     )
                 )
                 self._round_task = done  # applied when the current step closes
+        replay.clear()
         self.summary.caught_up_to = self.step
         if self.record:
             self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
+from crowdtrain.protocol.runcheck import check_optimizer
 from crowdtrain.volunteer.models.recipe import Recipe
 from crowdtrain.volunteer.models.registry import get_recipe
 from crowdtrain.volunteer.schedule import check_schedule, learning_rate
@@ -50,24 +51,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {device!r}")
     return dev
-
-
-def check_optimizer(spec: OptimizerSpec) -> None:
-    """Raise :class:`ConfigError` naming the field if the optimizer spec is unusable."""
-    if spec.name not in ("adamw", "sgd"):
-        raise ConfigError("optimizer.name", f"must be adamw or sgd, got {spec.name!r}")
-    checks = [
-        ("lr", spec.lr, spec.lr > 0),
-        ("weight_decay", spec.weight_decay, spec.weight_decay >= 0),
-        ("beta1", spec.beta1, 0 <= spec.beta1 < 1),
-        ("beta2", spec.beta2, 0 <= spec.beta2 < 1),
-        ("eps", spec.eps, spec.eps > 0),
-        ("momentum", spec.momentum, 0 <= spec.momentum < 1),
-        ("grad_clip", spec.grad_clip, spec.grad_clip >= 0),
-    ]
-    for name, value, ok in checks:
-        if not (math.isfinite(value) and ok):
-            raise ConfigError(f"optimizer.{name}", f"value {value!r} is out of range")
 
 
 def make_optimizer(

@@ -1,0 +1,142 @@
+"""What makes a run spec one a volunteer can run: one check shared by ``run create``, the tracker (before it
+registers a run) and the volunteer (before it joins one). Every problem is a :class:`ConfigError` naming the
+field, e.g. ``averaging.zstd_level: must be between -7 and 22, got 1000``.
+
+The recipe's own arguments are checked where the recipe is installed (``run create`` computes the
+parameter hash from them; a volunteer builds the model); the tracker cannot import recipes (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from crowdtrain.protocol.errors import ConfigError
+from crowdtrain.protocol.limits import DEFAULT_LIMITS
+from crowdtrain.protocol.messages import (
+    HEX64,
+    AveragingSpec,
+    DatasetManifest,
+    OptimizerSpec,
+    RunCreate,
+    RunSpec,
+    ScheduleSpec,
+)
+
+MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly
+MAX_GROUP_SIZE = 256  # the averager's max_members
+MAX_MICRO_BATCH = 1 << 20
+# a chunk is a file in the data set's folder: a plain name, never a path
+CHUNK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+DTYPES = {
+    "uint8",
+    "uint16",
+    "uint32",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "bool",
+}
+
+
+def _int(field: str, value: int, low: int, high: int = MAX_INT) -> None:
+    if not low <= value <= high:
+        span = f"at least {low}" if high == MAX_INT else f"between {low} and {high}"
+        raise ConfigError(field, f"must be {span}, got {value}")
+
+
+def _positive(field: str, value: float, high: float = math.inf) -> None:
+    if not (math.isfinite(value) and 0 < value <= high):
+        raise ConfigError(
+            field, f"must be a positive number{'' if high == math.inf else f' up to {high:g}'}, got {value}"
+        )
+
+
+def check_optimizer(spec: OptimizerSpec) -> None:
+    checks = [
+        ("lr", spec.lr, spec.lr > 0),
+        ("weight_decay", spec.weight_decay, spec.weight_decay >= 0),
+        ("beta1", spec.beta1, 0 <= spec.beta1 < 1),
+        ("beta2", spec.beta2, 0 <= spec.beta2 < 1),
+        ("eps", spec.eps, spec.eps > 0),
+        ("momentum", spec.momentum, 0 <= spec.momentum < 1),
+        ("grad_clip", spec.grad_clip, spec.grad_clip >= 0),
+    ]
+    for name, value, ok in checks:
+        if not (math.isfinite(value) and ok):
+            raise ConfigError(f"optimizer.{name}", f"value {value!r} is out of range")
+
+
+def check_schedule(schedule: ScheduleSpec) -> None:
+    _int("schedule.total_steps", schedule.total_steps, 1)
+    _int("schedule.warmup_steps", schedule.warmup_steps, 0)
+    if not (0.0 <= schedule.min_lr_ratio <= 1.0):
+        raise ConfigError("schedule.min_lr_ratio", f"must be within [0, 1], got {schedule.min_lr_ratio!r}")
+
+
+def check_averaging(avg: AveragingSpec) -> None:
+    _int("averaging.group_size", avg.group_size, 2, MAX_GROUP_SIZE)
+    _int("averaging.min_group_size", avg.min_group_size, 1, MAX_GROUP_SIZE)
+    _int("averaging.average_state_every", avg.average_state_every, 0)
+    _int("averaging.zstd_level", avg.zstd_level, -7, 22)
+    _int("averaging.subframe_elements", avg.subframe_elements, 1, DEFAULT_LIMITS.max_elements)
+    _int("averaging.delay", avg.delay, 0, 1)
+    _int("averaging.state_lag_tolerance", avg.state_lag_tolerance, 0)
+    for name in ("round_timeout_s", "gather_s", "step_timeout_s"):
+        _positive(f"averaging.{name}", getattr(avg, name), 86400.0)
+    clip = avg.clip_multiple
+    if not (math.isfinite(clip) and (clip == 0 or clip >= 1)):
+        raise ConfigError("averaging.clip_multiple", f"must be 0 (no clipping) or a number ≥ 1, got {clip}")
+
+
+def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:
+    if m.kind == "tokens" and m.dtype not in ("uint8", "uint16", "uint32"):
+        raise ConfigError(f"{field}.dtype", f"tokens must be uint8, uint16 or uint32, got {m.dtype!r}")
+    if m.dtype not in DTYPES or (m.label_dtype is not None and m.label_dtype not in DTYPES):
+        raise ConfigError(f"{field}.dtype", f"must be one of {', '.join(sorted(DTYPES))}")
+    if len(m.sample_shape) > 8 or any(not 1 <= d <= 1 << 24 for d in m.sample_shape):
+        raise ConfigError(f"{field}.sample_shape", "must be at most 8 dimensions of 1 to 16,777,216 each")
+    _int(f"{field}.chunk_bytes", m.chunk_bytes, 1, 1 << 32)
+    if not 1 <= len(m.chunks) <= 1 << 20:
+        raise ConfigError(f"{field}.chunks", f"must list 1 to 1,048,576 chunks, got {len(m.chunks)}")
+    names = set()
+    samples = 0
+    for i, c in enumerate(m.chunks):
+        where = f"{field}.chunks[{i}]"
+        if not CHUNK_NAME.match(c.name) or ".." in c.name:
+            raise ConfigError(
+                f"{where}.name", f"{c.name[:80]!r} is not a plain file name (letters, digits, '.', '_', '-')"
+            )
+        if c.name in names:
+            raise ConfigError(f"{where}.name", f"{c.name!r} is listed twice")
+        names.add(c.name)
+        _int(f"{where}.samples", c.samples, 1)
+        _int(f"{where}.bytes", c.bytes, 1, 1 << 40)
+        if not HEX64.match(c.sha256):
+            raise ConfigError(f"{where}.sha256", "must be 64 lowercase hex digits")
+        samples += c.samples
+    _int(f"{field}.total_samples", m.total_samples, 1)
+    if m.kind == "arrays" and m.total_samples != samples:
+        raise ConfigError(f"{field}.total_samples", f"is {m.total_samples} but the chunks hold {samples}")
+
+
+def check_run(msg: RunCreate | RunSpec) -> None:
+    """Raise :class:`ConfigError` naming the first field that makes ``msg`` a run no volunteer can run."""
+    if not msg.name or len(msg.name) > 200:
+        raise ConfigError("name", "must be 1 to 200 characters long")
+    if not msg.model.recipe or len(msg.model.recipe) > 200:
+        raise ConfigError("model.recipe", "must be 1 to 200 characters long")
+    _int("target_batch_size", msg.target_batch_size, 1)
+    _int("micro_batch_size", msg.micro_batch_size, 1, MAX_MICRO_BATCH)
+    _int("seed", msg.seed, 0)
+    check_optimizer(msg.optimizer)
+    check_schedule(msg.schedule)
+    check_averaging(msg.averaging)
+    web_seed = msg.dataset.web_seed
+    if web_seed is not None and not re.match(r"^https?://[^\s/]+", web_seed):
+        raise ConfigError("dataset.web_seed", f"must be an http:// or https:// URL, got {web_seed[:80]!r}")
+    check_manifest(msg.dataset.manifest)
