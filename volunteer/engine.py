@@ -392,11 +392,12 @@ class Volunteer:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._stream(torrent))
                     tg.create_task(self._heartbeats())
-                    tg.create_task(self._watch_steps())
+                    watch = tg.create_task(self._watch_steps())
                     tg.create_task(self._torrent_stats())
                     train = tg.create_task(self._train())
                     await train
                     self._stop.set()
+                    watch.cancel()  # its long-poll would hold the exit for up to WATCH_S
             except asyncio.CancelledError:
                 reason = "interrupted"
                 raise

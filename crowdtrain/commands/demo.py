@@ -103,7 +103,7 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
                     "recipe": "tiny-gpt",
                     "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64},
                 },
-                target_batch_size=96,
+                target_batch_size=192,  # slow enough that the late volunteer (~7 s to start) finds the run
                 micro_batch_size=16,
                 optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
                 schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": max(steps, 10)},
