@@ -67,7 +67,7 @@ async def wait_for(predicate, seconds: float, what: str) -> None:
 async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict[str, list[int]]:
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
     from crowdtrain.volunteer import events as ev

@@ -58,7 +58,7 @@ async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, work
     import numpy as np
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.volunteer import events as ev
     from crowdtrain.volunteer.config import VolunteerConfig
     from crowdtrain.volunteer.engine import Volunteer

@@ -28,7 +28,7 @@ from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import ChunkReady, SessionConfig, TorrentSession
 from crowdtrain.datasets.torrent import find_torrent, infohash_of
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 

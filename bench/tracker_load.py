@@ -125,11 +125,10 @@ def summary(name: str, n: int, latencies: list[float], bad: int, seconds: float,
 async def generate(
     url: str, token: str, server_pid: int, peers: int, seconds: float, conns: int
 ) -> list[dict]:
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.credentials import SigningKey, issue_credential
     from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, JoinResponse, encode
-    from crowdtrain.protocol.peerauth import sign_headers
-    from crowdtrain.tracker.auth import sign_session_headers
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
     from crowdtrain.tracker.fixtures import make_run_create
 
     host, port = url.removeprefix("http://").rsplit(":", 1)

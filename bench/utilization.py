@@ -127,7 +127,7 @@ async def stop_all(procs: list[Proc]) -> None:
 async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict:
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
 

@@ -11,11 +11,17 @@ The receiver checks the credential against the tracker's public key from the run
 against the key the credential vouches for, and the time against a skew window. Binding to a round (the
 receiver also checks the sender is a member of that round's signed group) stops replay into other
 rounds; within a round a receiver accepts one contribution per sender and part.
+
+Requests to the tracker use the same headers with purpose ``"tracker"``, or, instead of the signature,
+``X-Crowdtrain-Session-Mac``: an HMAC with the session key the tracker gave at join
+(:func:`sign_session_headers`; the tracker's side is ``crowdtrain.tracker.auth``).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import math
 import time
 from collections.abc import Mapping
@@ -27,8 +33,28 @@ from crowdtrain.protocol.messages import Credential, decode, encode
 HEADER_CREDENTIAL = "X-Crowdtrain-Credential"
 HEADER_TIME = "X-Crowdtrain-Time"
 HEADER_SIGNATURE = "X-Crowdtrain-Signature"
+HEADER_SESSION_MAC = "X-Crowdtrain-Session-Mac"
+TRACKER_PURPOSE = "tracker"
 MAX_SKEW_S = 120.0
 _MAX_HEADER = 4096
+
+
+def session_mac(key: bytes, stamp: str, path: str, body_sha256: str) -> str:
+    """The HMAC of a tracker request under a session key."""
+    return hmac.new(key, request_bytes(TRACKER_PURPOSE, stamp, path, body_sha256), hashlib.sha256).hexdigest()
+
+
+def sign_session_headers(
+    session_key_hex: str, credential_header: str, path: str, body_sha256: str
+) -> dict[str, str]:
+    """Headers of a tracker request authenticated with the session key (``credential_header``: base64url
+    JSON)."""
+    stamp = f"{time.time():.3f}"
+    return {
+        HEADER_CREDENTIAL: credential_header,
+        HEADER_TIME: stamp,
+        HEADER_SESSION_MAC: session_mac(bytes.fromhex(session_key_hex), stamp, path, body_sha256),
+    }
 
 
 def sign_headers(key: SigningKey, credential: Credential, purpose: str, *fields: str | int) -> dict[str, str]:

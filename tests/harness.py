@@ -12,8 +12,8 @@ from typing import Any
 
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.session import SessionConfig, TorrentSession
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import DatasetManifest, RunSpec
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 

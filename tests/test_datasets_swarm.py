@@ -21,9 +21,9 @@ from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import RESUME_PREFIX, ChunkReady, Download, SessionConfig, TorrentSession
 from crowdtrain.datasets.torrent import find_torrent, infohash_of
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import DatasetError
 from crowdtrain.protocol.messages import DatasetManifest
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from crowdtrain.datasets.make import make_dataset
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev

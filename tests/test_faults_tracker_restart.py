@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.session import SessionConfig, TorrentSession
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve

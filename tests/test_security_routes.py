@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, request_bytes, sign_assignment
 from crowdtrain.protocol.frames import encode_frame
@@ -41,7 +42,6 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.protocol.peerauth import HEADER_CREDENTIAL, HEADER_SIGNATURE, HEADER_TIME, sign_headers
 from crowdtrain.tracker.auth import HEADER_SESSION_MAC
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import make_run_create
 from crowdtrain.tracker.server import serve

@@ -13,7 +13,7 @@ from urllib.parse import quote_from_bytes
 import aiohttp
 import pytest
 from crowdtrain.protocol import bencode
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import make_torrent
 from crowdtrain.tracker.server import serve

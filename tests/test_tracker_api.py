@@ -12,13 +12,12 @@ import socket
 import aiohttp
 import pytest
 from crowdtrain.protocol import bencode
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_credential
 from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
-from crowdtrain.protocol.peerauth import sign_headers
-from crowdtrain.tracker.auth import sign_session_headers
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve

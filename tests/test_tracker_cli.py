@@ -10,8 +10,8 @@ import sys
 
 import pytest
 from crowdtrain.protocol import bencode
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve

@@ -7,10 +7,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve

@@ -11,8 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
 
 HEAVY = ("torch", "libtorrent", "rich")
@@ -25,7 +25,7 @@ def test_importing_and_starting_the_tracker_imports_no_torch(tmp_path):
         "from crowdtrain.tracker.config import TrackerConfig\n"
         "async def main():\n"
         "    async with s.serve(TrackerConfig()) as t:\n"
-        "        from crowdtrain.tracker.client import TrackerClient\n"
+        "        from crowdtrain.protocol.client import TrackerClient\n"
         "        async with TrackerClient(t.url) as c:\n"
         "            await c.list_runs()\n"
         "asyncio.run(main())\n"

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 from crowdtrain.datasets.sampler import Sampler
-from crowdtrain.tracker.client import TrackerClient
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.trainer import replay_reference

@@ -26,10 +26,16 @@ from collections.abc import Mapping
 from crowdtrain.protocol.credentials import request_bytes, verify, verify_credential
 from crowdtrain.protocol.errors import AuthError, ProtocolError
 from crowdtrain.protocol.messages import Credential, decode, encode
-from crowdtrain.protocol.peerauth import HEADER_CREDENTIAL, HEADER_SIGNATURE, HEADER_TIME, MAX_SKEW_S
+from crowdtrain.protocol.peerauth import (
+    HEADER_CREDENTIAL,
+    HEADER_SESSION_MAC,
+    HEADER_SIGNATURE,
+    HEADER_TIME,
+    MAX_SKEW_S,
+    session_mac,
+)
+from crowdtrain.protocol.peerauth import TRACKER_PURPOSE as PURPOSE
 
-PURPOSE = "tracker"
-HEADER_SESSION_MAC = "X-Crowdtrain-Session-Mac"
 _MAX_CREDENTIAL_HEADER = 4096
 _CACHE_LIMIT = 200_000
 
@@ -53,22 +59,6 @@ def session_key(secret: bytes, credential: Credential) -> bytes:
     return hmac.new(
         secret, b"crowdtrain-session\x00" + credential.signature.encode(), hashlib.sha256
     ).digest()
-
-
-def session_mac(key: bytes, stamp: str, path: str, body_sha256: str) -> str:
-    return hmac.new(key, request_bytes(PURPOSE, stamp, path, body_sha256), hashlib.sha256).hexdigest()
-
-
-def sign_session_headers(
-    session_key_hex: str, credential_header: str, path: str, body_sha256: str
-) -> dict[str, str]:
-    """Headers of a request authenticated with the session key (``credential_header``: base64url JSON)."""
-    stamp = f"{time.time():.3f}"
-    return {
-        HEADER_CREDENTIAL: credential_header,
-        HEADER_TIME: stamp,
-        HEADER_SESSION_MAC: session_mac(bytes.fromhex(session_key_hex), stamp, path, body_sha256),
-    }
 
 
 class PeerAuth:

@@ -15,6 +15,7 @@ import hashlib
 
 from aiohttp import web
 from crowdtrain.protocol import bencode
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
@@ -34,7 +35,6 @@ from crowdtrain.protocol.messages import (
     StateDeclare,
     StateVersion,
 )
-from crowdtrain.tracker.client import TrackerClient
 
 
 def make_torrent(

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import (
     AveragingError,
@@ -59,7 +60,6 @@ from crowdtrain.protocol.messages import (
     StateDeclare,
 )
 from crowdtrain.protocol.runcheck import check_run
-from crowdtrain.tracker.client import TrackerClient
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager, part_bounds
 from crowdtrain.volunteer.averaging.config import AveragingConfig
@@ -253,6 +253,15 @@ class Volunteer:
         self._snapshot_next_at = 0.0  # monotonic: no new snapshot before this
         self._state_dir = config.data_dir / "crowdtrain-state"  # snapshots, a fetched state, the replay
         self.state_server: StateServer | None = None
+        # set while joining (run): the tracker's client, the BitTorrent session and its download, the
+        # averager, this peer's credential and the run's heartbeat interval
+        self.tracker: TrackerClient | None = None
+        self.torrent: TorrentSession | None = None
+        self.download = None
+        self.averager: Averager | None = None
+        self.credential = None
+        self.heartbeat_interval = 1.0
+        self.sampler_seed = 0
 
     # ------------------------------------------------------------------ plumbing
 
@@ -301,7 +310,6 @@ class Volunteer:
                     f"cannot listen on {listen_address(cfg.host, cfg.port)} for peers ({exc.strerror}); "
                     "choose another --port or --host"
                 ) from None
-            self.torrent = None
             try:
                 self.torrent = TorrentSession(SessionConfig(listen=listen_address(cfg.host, cfg.bt_port)))
                 await self.torrent.start()
@@ -337,7 +345,6 @@ class Volunteer:
                     host = f"[{host}]"
                 self._address = f"{host}:{self._declared.rpartition(':')[2]}"
 
-            self.averager = None
             reason = "finished"
             try:
                 self.averager = Averager(
@@ -374,7 +381,6 @@ class Volunteer:
                     seed=self.sampler_seed,
                     seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
                 )
-                self.download = None
                 self.emit(
                     ev.Joined(
                         run_id=cfg.run_id,

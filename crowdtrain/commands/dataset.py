@@ -207,7 +207,7 @@ async def _seed(data_dir: Path, tracker: str | None, admin_token: str | None, cf
 
 async def _check_served(tracker: str, infohash: str, name: str) -> None:
     """Without an admin token nothing is registered: make sure the tracker serves this swarm already."""
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.client import TrackerClient
 
     async with TrackerClient(tracker) as client:
         served = await client.serves_infohash(infohash)
@@ -220,7 +220,7 @@ async def _check_served(tracker: str, infohash: str, name: str) -> None:
 
 async def _register(tracker: str, admin_token: str, infohash: str, name: str) -> None:
     """Tell the tracker this info-hash is a data set, so its /announce serves the swarm."""
-    from crowdtrain.tracker.client import TrackerClient
+    from crowdtrain.protocol.client import TrackerClient
 
     async with TrackerClient(tracker, admin_token=admin_token) as client:
         await client.register_dataset(infohash, name)

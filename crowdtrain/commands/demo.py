@@ -67,8 +67,8 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
 
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.publisher import build_run_create
-    from crowdtrain.tracker.client import TrackerClient
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
     from crowdtrain.volunteer.view.demo import DemoRow, render_demo

@@ -18,9 +18,9 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     from safetensors.torch import save_file
 
     from crowdtrain import __version__
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.credentials import SigningKey
     from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest
-    from crowdtrain.tracker.client import TrackerClient
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.fetch import fetch_state
     from crowdtrain.volunteer.state.snapshot import load_snapshot

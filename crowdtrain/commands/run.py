@@ -57,8 +57,8 @@ def create(
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker."),
 ) -> None:
     """Register the run described by SPEC on the tracker; prints the new run id."""
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.messages import encode
-    from crowdtrain.tracker.client import TrackerClient
 
     if not admin_token:
         raise ConfigError("--admin-token", "is required (the token `crowdtrain tracker serve` printed)")

@@ -70,8 +70,8 @@ def status(
 ) -> None:
     """Show a run's global step, samples toward the target, peers online, their throughput and compute
     share, recent steps."""
+    from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.messages import encode
-    from crowdtrain.tracker.client import TrackerClient
 
     async def fetch():
         async with TrackerClient(tracker, timeout_s=timeout) as client:

@@ -43,8 +43,7 @@ from crowdtrain.protocol.messages import (
     decode,
     encode,
 )
-from crowdtrain.protocol.peerauth import sign_headers
-from crowdtrain.tracker.auth import sign_session_headers
+from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 
 M = TypeVar("M", bound=Message)
 API = "/api/v1"
