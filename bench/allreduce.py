@@ -94,6 +94,7 @@ def crowdtrain_worker(args) -> None:
 
     import numpy as np
     from aiohttp import web
+
     from crowdtrain.protocol.codecs import Codec
     from crowdtrain.protocol.credentials import SigningKey
     from crowdtrain.protocol.messages import Credential, GroupAssignment, decode

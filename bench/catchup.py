@@ -28,6 +28,7 @@ RUN_ID = "bench-catchup"
 
 async def donor_main(args: argparse.Namespace) -> None:
     from aiohttp import web
+
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.serve import StateServer
     from crowdtrain.volunteer.state.snapshot import describe
@@ -81,6 +82,7 @@ async def start_donor(
 
 def make_state(params: int, step: int, range_mib: int):
     import torch
+
     from crowdtrain.volunteer.state.snapshot import make_snapshot
 
     gen = torch.Generator().manual_seed(0)

@@ -28,8 +28,9 @@ import time
 
 import numpy as np
 import torch
-from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, transform
 from torch import nn
+
+from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, transform
 
 
 class Block(nn.Module):

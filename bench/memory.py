@@ -68,11 +68,10 @@ async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) ->
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
     from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.publisher import build_run_create
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
     from crowdtrain.volunteer import events as ev
-
-    from crowdtrain.publisher import build_run_create
 
     donors = [Proc("v1"), Proc("v2")]
     newcomer = Proc("late")

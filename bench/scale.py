@@ -56,14 +56,14 @@ async def start_tracker() -> tuple[asyncio.subprocess.Process, str, str]:
 
 async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, workdir: Path) -> dict:
     import numpy as np
+
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
     from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.publisher import build_run_create
     from crowdtrain.volunteer import events as ev
     from crowdtrain.volunteer.config import VolunteerConfig
     from crowdtrain.volunteer.engine import Volunteer
-
-    from crowdtrain.publisher import build_run_create
 
     micro = 8
     target = micro * micro_per_step * n

@@ -21,7 +21,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from crowdtrain.volunteer.view.lines import parse_json_line
-
 from tests.harness import published_run
 
 

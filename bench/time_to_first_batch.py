@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import ChunkReady, SessionConfig, TorrentSession

@@ -128,10 +128,9 @@ async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], w
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
     from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.publisher import build_run_create
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
-
-    from crowdtrain.publisher import build_run_create
 
     workdir = workdir / f"delay-{delay}"
     records: dict[int, Any] = {}

@@ -16,6 +16,7 @@ import io
 from pathlib import Path
 
 import numpy as np
+
 from crowdtrain.protocol.errors import DatasetError
 from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest
 

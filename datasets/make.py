@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from crowdtrain.datasets.chunks import (
     MANIFEST_NAME,
     chunk_name,

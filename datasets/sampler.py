@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from crowdtrain.datasets.chunks import load_chunk
 from crowdtrain.protocol.errors import ConfigError, DatasetError
 from crowdtrain.protocol.messages import DatasetManifest

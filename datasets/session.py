@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import libtorrent as lt
+
 from crowdtrain.datasets.chunks import sha256_file
 from crowdtrain.datasets.torrent import check_torrent_matches, infohash_of, read_manifest
 from crowdtrain.protocol.errors import ConfigError, DatasetError
@@ -446,10 +447,6 @@ class TorrentSession:
                     ses.remove_torrent(dl.handle)
             raise
         return dl
-
-    def connect_peer(self, download: Download, port: int, host: str = "127.0.0.1") -> None:
-        """Tell libtorrent about a peer directly (tests and trackerless use)."""
-        download.handle.connect_peer((host, port))
 
     # -------------------------------------------------------------- alert loop
 

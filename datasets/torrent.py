@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import libtorrent as lt
+
 from crowdtrain.datasets.chunks import MANIFEST_NAME
 from crowdtrain.protocol.errors import ConfigError, DatasetError, ProtocolError
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES

@@ -16,6 +16,7 @@ from urllib.parse import quote_from_bytes, urlsplit
 
 import aiohttp
 import msgspec
+
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable

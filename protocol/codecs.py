@@ -37,6 +37,7 @@ import enum
 
 import numpy as np
 import zstandard
+
 from crowdtrain.protocol.errors import ConfigError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 
 import msgspec
-from crowdtrain.protocol.errors import AuthError
-from crowdtrain.protocol.messages import Credential, GroupAssignment, replace
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from crowdtrain.protocol.errors import AuthError
+from crowdtrain.protocol.messages import Credential, GroupAssignment, replace
 
 
 class SigningKey:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
 from crowdtrain.protocol.codecs import Codec, Compressor, raw_size
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits

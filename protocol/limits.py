@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from crowdtrain.protocol.errors import ConfigError
 
+KiB = 1 << 10
 MiB = 1 << 20
 # A data set's .torrent: its piece hashes (20 bytes per piece: 0.4 MB for 5 GB in 256 KiB pieces, 0.5 MB for
 # 100 GB in 4 MiB pieces) and file list. Refused above this everywhere: when made, published, registered

@@ -22,6 +22,7 @@ import re
 from typing import Any, Literal, TypeVar
 
 import msgspec
+
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 

@@ -14,10 +14,9 @@ from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.session import SessionConfig, TorrentSession
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import DatasetManifest, RunSpec
+from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
-
-from crowdtrain.publisher import build_run_create
 
 TINY_GPT = {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}
 

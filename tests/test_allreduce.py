@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from crowdtrain.protocol.codecs import Codec
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, sign_assignment
 from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig, part_bounds
 from crowdtrain.volunteer.events import Event, RoundDone
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 TRACKER = SigningKey()
 RUN = "run-allreduce"

@@ -12,6 +12,8 @@ import time
 import aiohttp
 import numpy as np
 import pytest
+from test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
+
 from crowdtrain.protocol import peerauth
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
@@ -21,7 +23,6 @@ from crowdtrain.protocol.messages import replace
 from crowdtrain.volunteer.averaging import AveragingConfig, part_bounds
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.events import RoundDone, RoundFailed
-from test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
 
 N = 3000
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from crowdtrain.protocol import bencode
-from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from hypothesis import given
 from hypothesis import strategies as st
+
+from crowdtrain.protocol import bencode
+from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 
 values = st.recursive(
     st.integers(min_value=-(10**30), max_value=10**30) | st.binary(max_size=40),

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from crowdtrain.protocol.codecs import (
     INT8_BLOCK,
     Codec,
@@ -16,9 +20,6 @@ from crowdtrain.protocol.codecs import (
 )
 from crowdtrain.protocol.errors import ConfigError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import Limits
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

@@ -7,6 +7,9 @@ import base64
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crowdtrain.protocol.credentials import (
     SigningKey,
     issue_credential,
@@ -26,8 +29,6 @@ from crowdtrain.protocol.peerauth import (
     check_headers,
     sign_headers,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 RUN = "run-1"
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from crowdtrain.datasets.chunks import load_chunk, sha256_file
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.torrent import infohash_of, piece_size_for, read_dataset_info

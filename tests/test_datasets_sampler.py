@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.errors import ConfigError, DatasetError

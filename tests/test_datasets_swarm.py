@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from crowdtrain.datasets.chunks import MANIFEST_NAME
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler

@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+
+from crowdtrain.commands.export import export_state
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.trainer import Trainer
-from safetensors.torch import load_file
-
-from crowdtrain.commands.export import export_state
 from tests.harness import TINY_GPT, published_run
 
 

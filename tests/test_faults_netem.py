@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 import pytest
+
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, sign_assignment
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember, encode
-
 from tests.faults import record_outcome, subprocess_env
 
 RUN = "run-netem"

@@ -17,13 +17,13 @@ import hashlib
 import time
 
 import pytest
+
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.protocol.client import TrackerClient
+from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
-
-from crowdtrain.publisher import build_run_create
 from tests.faults import SeederProcess, VolunteerProcess, record_outcome, until
 from tests.harness import TINY_GPT
 

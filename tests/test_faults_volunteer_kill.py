@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
+
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
-
 from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outcome, until
 from tests.harness import published_run
 

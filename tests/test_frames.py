@@ -8,6 +8,10 @@ import zlib
 import numpy as np
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.frames import (
@@ -21,9 +25,6 @@ from crowdtrain.protocol.frames import (
     parse_header,
 )
 from crowdtrain.protocol.limits import Limits
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=12)
 values = st.floats(min_value=-1e4, max_value=1e4, width=32)

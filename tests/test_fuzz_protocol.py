@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_messages import sample_json  # tests/ is on sys.path under pytest's default import mode
+
 from crowdtrain.protocol import messages
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.frames import HEADER_SIZE, decode_frame, encode_frame, iter_frames, pack_header
 from crowdtrain.protocol.limits import Limits, MiB
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_messages import sample_json  # tests/ is on sys.path under pytest's default import mode
 
 # CROWDTRAIN_FUZZ_EXAMPLES=5000 for a longer soak; the default keeps the suite fast.
 FUZZ = settings(

@@ -11,11 +11,12 @@ import json
 import msgspec
 import msgspec.inspect as mi
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crowdtrain.protocol import messages
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import Limits
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 ALL_MESSAGES = sorted(
     (

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import torch
+
 from crowdtrain.protocol.errors import RecipeError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.volunteer.models import (

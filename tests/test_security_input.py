@@ -24,6 +24,11 @@ from urllib.parse import quote_from_bytes
 import aiohttp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from crowdtrain.cli import app
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
@@ -36,11 +41,6 @@ from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.peer_server import PeerServer
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from typer.testing import CliRunner
-
-from crowdtrain.cli import app
 
 FUZZ = settings(
     max_examples=int(os.environ.get("CROWDTRAIN_FUZZ_EXAMPLES", "120")),

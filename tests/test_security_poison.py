@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 import pytest
+
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
@@ -34,7 +35,6 @@ from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.snapshot import Snapshot
-
 from tests.faults import until
 from tests.harness import published_run
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
+
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, request_bytes, sign_assignment

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from crowdtrain.protocol.messages import encode
 from crowdtrain.tracker.fixtures import make_run_create, make_torrent
 

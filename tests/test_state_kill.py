@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.messages import Donor
 from crowdtrain.volunteer.events import Event, StateLoaded, StateSyncProgress

@@ -7,9 +7,10 @@ import hashlib
 import pytest
 import safetensors.torch
 import torch
+from torch import nn
+
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.volunteer.state.snapshot import describe, load_snapshot, make_snapshot
-from torch import nn
 
 KiB = 1 << 10
 

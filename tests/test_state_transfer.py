@@ -13,6 +13,7 @@ import pytest
 import torch
 import zstandard
 from aiohttp import web
+
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import ConfigError, StateSyncError
 from crowdtrain.protocol.messages import Donor, StateManifest, decode, replace

@@ -12,13 +12,14 @@ from urllib.parse import quote_from_bytes
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import make_torrent
 from crowdtrain.tracker.server import serve
-from hypothesis import given
-from hypothesis import strategies as st
 
 IH = hashlib.sha1(b"registered").digest()
 

@@ -11,6 +11,7 @@ import socket
 
 import aiohttp
 import pytest
+
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_credential

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode

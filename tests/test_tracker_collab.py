@@ -7,6 +7,7 @@ import asyncio
 
 import aiohttp
 import pytest
+
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError

@@ -7,6 +7,7 @@ import random
 from fractions import Fraction
 
 import pytest
+
 from crowdtrain.tracker.matchmaking import Candidate, partition, plan
 
 

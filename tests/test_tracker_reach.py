@@ -4,6 +4,7 @@ request came from (pure; the checks themselves run against real servers in test_
 from __future__ import annotations
 
 import pytest
+
 from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.volunteer.models import MLP, TINY_GPT

@@ -13,6 +13,8 @@ import threading
 import time
 
 import pytest
+from rich.console import Console
+
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.view.demo import DemoRow, render_demo
@@ -28,7 +30,6 @@ from crowdtrain.volunteer.view.lines import (
 from crowdtrain.volunteer.view.live import ViewSink, choose_mode
 from crowdtrain.volunteer.view.render import bar, render, sparkline
 from crowdtrain.volunteer.view.state import ViewState, apply, fold
-from rich.console import Console
 
 T0 = 1_800_000_000.0  # a fixed start time: every figure below is deterministic
 
@@ -349,9 +350,8 @@ def test_compute_share_in_the_live_view():
 
 
 def test_status_shows_each_peers_compute_share():
-    from crowdtrain.protocol.messages import PeerStatus, RunStatus, decode, encode
-
     from crowdtrain.commands.status import format_status
+    from crowdtrain.protocol.messages import PeerStatus, RunStatus, decode, encode
 
     def peer(peer_id: str, share: float | None) -> PeerStatus:
         return PeerStatus(

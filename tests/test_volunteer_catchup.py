@@ -7,11 +7,11 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
-
 from tests.harness import published_run
 
 KiB = 1024

@@ -11,12 +11,12 @@ import math
 
 import numpy as np
 import pytest
+
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.trainer import replay_reference
-
 from tests.harness import TINY_GPT, published_run
 
 STEPS = 20

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.trainer import Trainer
-
 from tests.harness import published_run
 
 ARGS = {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crowdtrain.protocol.errors import ConfigError
-
-MiB = 1 << 20
+from crowdtrain.protocol.limits import MiB
 
 
 def default_db_path() -> Path:

@@ -14,6 +14,7 @@ import base64
 import hashlib
 
 from aiohttp import web
+
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey

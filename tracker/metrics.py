@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from crowdtrain.protocol.messages import StepRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from crowdtrain.protocol.messages import StepRecord
 
 if TYPE_CHECKING:
     from crowdtrain.tracker.server import Tracker

@@ -21,6 +21,7 @@ import logging
 import time
 
 from aiohttp import ClientSession, ClientTimeout
+
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.tracker.collab import Peer, RunState
 

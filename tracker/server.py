@@ -34,6 +34,8 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
+
+from crowdtrain import __version__
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, ConfigError, CrowdtrainError, LimitExceeded, ProtocolError
@@ -70,8 +72,6 @@ from crowdtrain.tracker.metrics import Metrics
 from crowdtrain.tracker.reach import AddressError, Checker, resolve_address
 from crowdtrain.tracker.store import Store
 from crowdtrain.tracker.swarm import Swarms
-
-from crowdtrain import __version__
 
 log = logging.getLogger("crowdtrain.tracker")
 

@@ -7,7 +7,6 @@ window at a random offset: adding, removing and sampling cost O(1) per peer what
 
 from __future__ import annotations
 
-import ipaddress
 import random
 import time
 from dataclasses import dataclass, field
@@ -81,10 +80,6 @@ class Swarm:
         for peer_id in stale:
             self.remove(peer_id)
         return len(stale)
-
-
-def pack_ip(ip: str) -> bytes:
-    return ipaddress.ip_address(ip).packed
 
 
 class Swarms:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from crowdtrain import __version__
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
 from crowdtrain.protocol.client import TrackerClient
@@ -70,8 +72,6 @@ from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
 from crowdtrain.volunteer.state.snapshot import load_snapshot, save_snapshot
 from crowdtrain.volunteer.trainer import Trainer
-
-from crowdtrain import __version__
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.protocol.runcheck import check_optimizer

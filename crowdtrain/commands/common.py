@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 import typer
 
 T = TypeVar("T")
-EXIT_INTERRUPTED = 130
 
 
 async def _cancel_on_sigterm(coro: Coroutine[Any, Any, T]) -> T:
@@ -50,6 +49,8 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
             return runner.run(_cancel_on_sigterm(coro))
     except (KeyboardInterrupt, asyncio.CancelledError):
         typer.echo("interrupted", err=True)
+        from crowdtrain.cli import EXIT_INTERRUPTED  # (the exit codes live in cli.py)
+
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 from aiohttp import web
+
 from crowdtrain.protocol import peerauth
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError

@@ -134,15 +134,3 @@ class PartReducer:
                 out += v
             else:  # my own copy: one temporary
                 out += values[a:b] * factor
-
-    def reduce(self, out: np.ndarray) -> tuple[np.ndarray | None, tuple[str, ...], str]:
-        """Weighted mean in fp32 of the accepted contributions into ``out``, outliers clipped (in a thread).
-
-        Returns ``out`` (or None when nothing with a weight arrived, ``out`` untouched), the clipped members
-        and, on failure, why.
-        """
-        terms, clipped, reason = self.plan()
-        if not terms:
-            return None, (), reason
-        self.reduce_slice(terms, 0, self.length, out)
-        return out, clipped, ""

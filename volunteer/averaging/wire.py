@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 from aiohttp import StreamReader
+
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size, untransform
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, checksum, pack_header, parse_header

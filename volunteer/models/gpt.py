@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from crowdtrain.protocol.errors import RecipeError
 from crowdtrain.volunteer.models.recipe import Arg, ArgValue, TableRecipe, normal
-from torch import nn
 
 TINY_GPT_ARGS = {
     "d_model": Arg(int, 64, "width of the residual stream", min=8, max=8192),

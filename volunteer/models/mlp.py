@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from crowdtrain.volunteer.models.recipe import Arg, ArgValue, TableRecipe, uniform
 from torch import nn
+
+from crowdtrain.volunteer.models.recipe import Arg, ArgValue, TableRecipe, uniform
 
 MLP_ARGS = {
     "in_features": Arg(int, 32, "values per sample (the product of the data set's sample_shape)", min=1),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
+
 from crowdtrain.protocol.errors import RecipeError
 
 Kind = Literal["tokens", "arrays"]

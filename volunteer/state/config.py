@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crowdtrain.protocol.errors import ConfigError
+from crowdtrain.protocol.limits import KiB, MiB
 
-KiB = 1 << 10
-MiB = 1 << 20
 GiB = 1 << 30
 
 

@@ -34,6 +34,7 @@ from typing import BinaryIO
 
 import aiohttp
 import zstandard
+
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError, StateSyncError
 from crowdtrain.protocol.limits import Limits

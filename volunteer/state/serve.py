@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import zstandard
 from aiohttp import web
+
 from crowdtrain.protocol.errors import AuthError
 from crowdtrain.protocol.messages import HEX64, ErrorBody, encode
 from crowdtrain.protocol.peerauth import check_headers

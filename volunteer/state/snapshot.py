@@ -33,10 +33,11 @@ from typing import Any, BinaryIO
 
 import msgspec
 import torch
+from safetensors.torch import load as safetensors_load
+
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.messages import StateManifest, StateVersion
 from crowdtrain.volunteer.state.config import KiB, MiB
-from safetensors.torch import load as safetensors_load
 
 FORMAT = 1
 META_KEY = "crowdtrain"

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from crowdtrain.volunteer.view.fmt import MISSING, fmt_duration, fmt_float, fmt_percent, fmt_ratio
-from crowdtrain.volunteer.view.render import bar, collaboration_panel
-from crowdtrain.volunteer.view.state import ViewState
 from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+from crowdtrain.volunteer.view.fmt import MISSING, fmt_duration, fmt_float, fmt_percent, fmt_ratio
+from crowdtrain.volunteer.view.render import bar, collaboration_panel
+from crowdtrain.volunteer.view.state import ViewState
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.logging import RichHandler
+
 from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.volunteer.events import Event
 from crowdtrain.volunteer.view.lines import LineThrottle, json_line, plain_line
 from crowdtrain.volunteer.view.render import render
 from crowdtrain.volunteer.view.state import ViewState, apply
-from rich.console import Console, RenderableType
-from rich.live import Live
-from rich.logging import RichHandler
 
 MODES = ("live", "plain", "json")
 log = logging.getLogger(__name__)

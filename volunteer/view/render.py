@@ -14,6 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.panel import Panel
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
+
 from crowdtrain.volunteer.view.fmt import (
     MISSING,
     fmt_bytes,
@@ -29,11 +35,6 @@ from crowdtrain.volunteer.view.fmt import (
 )
 from crowdtrain.volunteer.view.lines import round_trouble, stamp
 from crowdtrain.volunteer.view.state import ViewState
-from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
-from rich.panel import Panel
-from rich.segment import Segment
-from rich.table import Table
-from rich.text import Text
 
 SPARK = "▁▂▃▄▅▆▇█"
 BAR_WIDTH = 16
