@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,13 @@ from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 
 TINY_GPT = {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound by the OS, read back, released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

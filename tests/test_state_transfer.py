@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -23,6 +22,7 @@ from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
 from crowdtrain.volunteer.state.snapshot import Snapshot, describe, load_snapshot, make_snapshot
+from tests.harness import closed_port
 
 KiB = 1 << 10
 RUN = "run-state"
@@ -123,13 +123,6 @@ async def fetch(
         config=config,
         emit=(events.append if events is not None else lambda e: None),
     )
-
-
-def closed_port() -> int:
-    """A port on 127.0.0.1 where nothing listens (bound by the OS, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ fetching

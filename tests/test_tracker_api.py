@@ -7,7 +7,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import socket
 
 import aiohttp
 import pytest
@@ -22,13 +21,7 @@ from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, read back, released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.harness import closed_port
 
 
 @pytest.fixture

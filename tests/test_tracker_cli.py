@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve
+from tests.harness import closed_port
 
 SPEC = """
 name = "tiny lm on stdlib"
@@ -47,13 +47,6 @@ total_steps = 500
 group_size = 4
 codec = "int8"
 """
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, read back, released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -41,18 +41,24 @@ _CACHE_LIMIT = 200_000
 
 
 class AdminAuthError(AuthError):
-    """The admin token is missing or wrong."""
+    """The admin token is missing (``status`` 401) or wrong (403)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def check_admin(headers: Mapping[str, str], token: str) -> None:
     value = headers.get("Authorization", "")
     if not value:
         raise AdminAuthError(
-            "this endpoint needs the tracker's admin token in an 'Authorization: Bearer <token>' header"
+            "this endpoint needs the tracker's admin token in an 'Authorization: Bearer <token>' header", 401
         )
     scheme, _, given = value.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-        raise AdminAuthError("the admin token is wrong; use the token the tracker printed when it started")
+        raise AdminAuthError(
+            "the admin token is wrong; use the token the tracker printed when it started", 403
+        )
 
 
 def session_key(secret: bytes, credential: Credential) -> bytes:

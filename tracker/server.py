@@ -261,7 +261,7 @@ class Tracker:
         except ProtocolError as exc:
             response = _error(400, str(exc))
         except AdminAuthError as exc:
-            response = _error(401 if "needs" in str(exc) else 403, str(exc))
+            response = _error(exc.status, str(exc))
         except AuthError as exc:
             response = _error(401, str(exc))
         except web.HTTPRequestEntityTooLarge:
