@@ -271,6 +271,8 @@ class ReadyRequest(Message, kw_only=True):
     peer_id: str
     step: int
     weight: int  # samples accumulated toward ``step``; 0 is allowed (the peer still gets the average)
+    # delay 1: samples already computed toward ``step + 1`` (while waiting for ``step`` to close)
+    ahead: int = 0
 
 
 class GroupMember(Message, kw_only=True):

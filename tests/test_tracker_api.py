@@ -364,26 +364,40 @@ async def test_wrong_ping_answer_is_client_mode_and_cannot_donate(admin, run_id)
         assert (await admin.donors(run_id)).donors == []
 
 
-async def test_donors_are_for_the_newest_version_only(admin, run_id):
-    async with PingServer() as a, PingServer() as b:
-        va, vb = SimVolunteer(admin, run_id), SimVolunteer(admin, run_id)
-        await va.join(address=a.address)
-        await vb.join(address=b.address)
-        a.peer_id, b.peer_id = va.peer_id, vb.peer_id
-        for v in (va, vb):
+async def test_donors_are_of_the_version_most_peers_serve_of_a_step_the_run_reached(admin, run_id):
+    async with PingServer() as a, PingServer() as b, PingServer() as c:
+        vols = [SimVolunteer(admin, run_id) for _ in range(3)]
+        for v, server in zip(vols, (a, b, c), strict=True):
+            await v.join(address=server.address)
+            server.peer_id = v.peer_id
+        for v in vols:
             for _ in range(200):
                 if (await v.heartbeat(0, 1)).reachable:
                     break
                 await asyncio.sleep(0.02)
-        await va.declare_state(4, "aa" * 32, 10)
-        await vb.declare_state(5, "bb" * 32, 11)
+        va, vb, vc = vols
+        # the run is at step 0: a state declared for a later step is not listed
+        await va.declare_state(5, "aa" * 32, 10)
+        assert (await admin.donors(run_id)).state is None
+        # two steps close (every peer's share in; the target is 100)
+        for step in range(2):
+            for v in vols:
+                await v.heartbeat(step, 40)
+            await asyncio.gather(*(v.ready(step, 40) for v in vols))
+        await va.declare_state(1, "aa" * 32, 10)
+        await vb.declare_state(2, "bb" * 32, 11)
         donors = await admin.donors(run_id)
-        assert donors.state.step == 5
+        assert donors.state.step == 2  # one donor each: the newest
         assert [d.peer_id for d in donors.donors] == [vb.peer_id]
-        await vb.leave()
+        await vc.declare_state(1, "aa" * 32, 10)
         donors = await admin.donors(run_id)
-        assert donors.state.step == 4
-        assert [d.peer_id for d in donors.donors] == [va.peer_id]
+        assert donors.state.step == 1  # served by two: a newcomer fetches from both at once
+        assert sorted(d.peer_id for d in donors.donors) == sorted([va.peer_id, vc.peer_id])
+        await va.leave()
+        await vc.leave()
+        donors = await admin.donors(run_id)
+        assert donors.state.step == 2
+        assert [d.peer_id for d in donors.donors] == [vb.peer_id]
 
 
 async def test_state_declare_validates(admin, run_id):

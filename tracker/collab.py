@@ -118,7 +118,9 @@ class RunState:
         self.unrated = 0
         # samples the peers at this step hold or were allotted: Σ max(allotted, samples); never above target
         self.reserved = 0
+        self.computing = 0  # peers at this step still computing for it (a peer done with it says so)
         self.ready: dict[str, int] = {}
+        self.ahead: dict[str, int] = {}  # ready peers' samples already computed for the next step (delay 1)
         self.pending: set[str] = set()
         self.formed: OrderedDict[int, dict[str, list[GroupAssignment]]] = OrderedDict()  # phase by phase
         self.changed = asyncio.Event()
@@ -151,6 +153,7 @@ class RunState:
             self.rated += sign * (r > 0)
             self.unrated += sign * (r <= 0)
         if at_step:
+            self.computing += sign * peer.computing
             self.step_samples += sign * peer.samples
             self.step_contributors += sign * (peer.samples > 0)
             self.reserved += sign * max(peer.allotted, peer.samples)
@@ -182,7 +185,7 @@ class RunState:
     def _recount(self) -> None:
         self.step_samples = self.step_contributors = 0
         self.rate_sum = self.idle_rate = 0.0
-        self.reserved = 0
+        self.reserved = self.computing = 0
         self.rated = self.unrated = 0
         for peer in self.peers.values():
             self._account(peer)
@@ -204,6 +207,7 @@ class RunState:
         self._unaccount(peer)
         self.pending.discard(peer_id)
         self.ready.pop(peer_id, None)
+        self.ahead.pop(peer_id, None)
         self.reopened.discard(peer_id)
         return True
 
@@ -252,8 +256,11 @@ class RunState:
         if self.closed_at is not None or now < self.quiet_until:
             return
         timed_out = now - self.opened_at >= self.spec.averaging.step_timeout_s
+        # no peer at the step computes for it any more (each is done, e.g. computing the next step ahead
+        # with delay 1, or has nothing to compute): what it holds is all the step will get
+        idle = self.computing == 0
         if self.step_samples >= self.target or (
-            timed_out and self.step_contributors >= self.spec.averaging.min_group_size
+            (timed_out or idle) and self.step_contributors >= self.spec.averaging.min_group_size
         ):
             if not self._any_owner():
                 return
@@ -385,12 +392,18 @@ class RunState:
         self.reopened = set()
         self.notice = None
         self._recount()
-        # Each averaged peer moves to the new step with nothing accumulated yet: allot its share now, so
-        # the ready reply carries it and the peer computes on without waiting for a heartbeat's answer.
+        # Each averaged peer moves to the new step, computing, with what it computed ahead for it (delay 1;
+        # else nothing): allot its share now, so the ready reply carries it and the peer computes on
+        # without waiting for a heartbeat's answer.
+        ahead, self.ahead = self.ahead, {}
         for c in candidates:
             peer = self.peers[c.peer_id]
             self._unaccount(peer)
-            peer.step, peer.samples = step + 1, 0
+            peer.step, peer.samples, peer.computing = (
+                step + 1,
+                min(ahead.get(c.peer_id, 0), self.target),
+                True,
+            )
             peer.allotted = self._allot(peer)
             self._account(peer)
         for callback in self.on_formed:
@@ -423,6 +436,7 @@ class RunState:
         self.reopened |= set(self.ready)
         self.closed_at = None
         self.ready = {}
+        self.ahead = {}
         self.pending = set()
         self._any_owner()
         self._wake()
@@ -431,8 +445,11 @@ class RunState:
         peer = self.peers[peer_id]
         return peer.reachable and peer.address is not None
 
-    async def wait_ready(self, peer_id: str, step: int, weight: int, long_poll_s: float) -> ReadyReply:
-        """The long-poll behind ``POST /ready``; bounded by ``long_poll_s``."""
+    async def wait_ready(
+        self, peer_id: str, step: int, weight: int, long_poll_s: float, ahead: int = 0
+    ) -> ReadyReply:
+        """The long-poll behind ``POST /ready``; bounded by ``long_poll_s``. ``ahead``: samples the peer
+        already computed for the next step (delay 1), counted for it when this step's round forms."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
         while True:
@@ -456,6 +473,7 @@ class RunState:
                 return ReadyReply(status="missed", global_step=self.global_step)
             if step == self.global_step:
                 self.ready[peer_id] = weight
+                self.ahead[peer_id] = ahead
                 self.pending.discard(peer_id)
                 self.maybe_form(time.time())
                 if step < self.global_step:
@@ -495,17 +513,17 @@ class RunState:
         ]
 
     def donors(self, limit: int = 64) -> DonorList:
-        """Donors of the newest declared state: highest step, then the content hash most peers hold."""
-        serving = [p for p in self.peers.values() if p.state is not None and self._owns_part(p.peer_id)]
+        """Donors of the declared state most peers serve (a newcomer fetches from all of them at once); of
+        states served by as many, the newest. A state of a step the run has not reached is not listed."""
+        serving = [
+            p
+            for p in self.peers.values()
+            if p.state is not None and p.state.step <= self.global_step and self._owns_part(p.peer_id)
+        ]
         if not serving:
             return DonorList(state=None, donors=[])
-        top = max(p.state.step for p in serving if p.state is not None)
-        counts = Counter(
-            (p.state.content_hash, p.state.size)
-            for p in serving
-            if p.state is not None and p.state.step == top
-        )
-        (content_hash, size), _ = counts.most_common(1)[0]
+        counts = Counter((p.state.step, p.state.content_hash, p.state.size) for p in serving if p.state)
+        (top, content_hash, size), _ = max(counts.items(), key=lambda kv: (kv[1], kv[0][0]))
         chosen = [
             p
             for p in serving

@@ -610,7 +610,7 @@ class Tracker:
 
     async def ready(self, request: web.Request) -> web.Response:
         run, msg, _ = await self._signed(request, ReadyRequest)
-        if not (0 <= msg.step <= MAX_INT and 0 <= msg.weight <= MAX_INT):
+        if not (0 <= msg.step <= MAX_INT and 0 <= msg.weight <= MAX_INT and 0 <= msg.ahead <= MAX_INT):
             raise ApiError(400, "ReadyRequest: step and weight must be non-negative integers")
         peer = self._known(run, msg.peer_id)
         peer.last_seen = time.monotonic()
@@ -623,7 +623,7 @@ class Tracker:
                 raise ApiError(400, "wait_s must be a number of seconds") from None
             if not math.isfinite(wait_s):
                 raise ApiError(400, "wait_s must be a number of seconds")
-        reply = await run.wait_ready(msg.peer_id, msg.step, msg.weight, wait_s)
+        reply = await run.wait_ready(msg.peer_id, msg.step, msg.weight, wait_s, msg.ahead)
         if run.peers.get(msg.peer_id) is peer:
             peer.last_seen = time.monotonic()
         return _json(reply)

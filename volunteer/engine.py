@@ -80,9 +80,11 @@ STATS_INTERVAL_S = 1.0
 LOCAL_REPORT_S = 1.0
 WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step closed or needs more
-SNAPSHOT_SPACING = (
-    4.0  # after a snapshot took t seconds to write, the next starts t × this later at the soonest
-)
+# Writing snapshots takes at most 1/SNAPSHOT_SPACING of the time: every K steps, K the smallest power of
+# two (times ``snapshot_every``) with K × step time ≥ SNAPSHOT_SPACING × write time. Powers of two keep the
+# peers' snapshots on the same steps (those of a slower writer are a subset), so a newcomer finds several
+# donors of one version.
+SNAPSHOT_SPACING = 4.0
 
 
 class _Replay:
@@ -123,6 +125,18 @@ class _Replay:
             if has_params:
                 self._path(step, "params").unlink(missing_ok=True)
         self._steps.clear()
+
+
+@dataclass(slots=True)
+class _Taken:
+    """A step's gradient, taken out of the accumulation at its boundary (or, with delay 1, as soon as this
+    peer's share of the step was computed)."""
+
+    step: int
+    weight: int  # this peer's samples in it
+    compute_s: float
+    loss: float | None
+    grad: np.ndarray
 
 
 @dataclass(slots=True)
@@ -242,6 +256,10 @@ class Volunteer:
         self.delay = 0  # the run's averaging.delay, set on joining
         self._round_task: asyncio.Future[_Round] | None = None  # delay 1: the step averaged in the background
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
+        # delay 1: this step's gradient, taken once its share was computed; meanwhile the next step's
+        # micro-batches are computed ahead, up to ``_ahead_cap`` samples
+        self._early: _Taken | None = None
+        self._ahead_cap = 0
         self._applied = 0  # the parameters hold the averages of the steps below this one
         # compute share: seconds computing gradients that entered an average, since the first micro-batch
         self._compute_t0: float | None = None
@@ -250,7 +268,9 @@ class Volunteer:
         # snapshots, written in the background
         self._snapshot_task: asyncio.Task | None = None
         self._snapshot_writing: asyncio.Future | None = None  # the write itself (it reads live tensors)
-        self._snapshot_next_at = 0.0  # monotonic: no new snapshot before this
+        self._snapshot_every = 1  # K (see SNAPSHOT_SPACING), adapted after each write
+        self._last_applied_at: float | None = None
+        self._step_s = 0.0  # smoothed time between two applied steps
         self._state_dir = config.data_dir / "crowdtrain-state"  # snapshots, a fetched state, the replay
         self.state_server: StateServer | None = None
         # set while joining (run): the tracker's client, the BitTorrent session and its download, the
@@ -517,7 +537,8 @@ class Volunteer:
     async def _heartbeat_once(self) -> None:
         step = self.step
         # while catching up its gradients are computed on parameters that are not the run's: none count
-        samples = 0 if self._pending_state is not None else self.trainer.samples
+        early = self._early
+        samples = 0 if self._pending_state is not None else early.weight if early else self.trainer.samples
         reply = await self.tracker.heartbeat(
             self.config.run_id,
             Heartbeat(
@@ -525,7 +546,8 @@ class Volunteer:
                 step=step,
                 samples=samples,
                 # what it computes counts: not catching up, holding a chunk
-                computing=self._pending_state is None and self.sampler.ready,
+                # (with its share taken early, it computes for the next step: done with this one)
+                computing=self._pending_state is None and self.sampler.ready and early is None,
                 samples_per_s=self._samples_per_s,
                 address=self._declared,
                 chunks_held=self._chunks_held,
@@ -565,6 +587,8 @@ class Volunteer:
         because the tracker has not answered for this step for two heartbeat intervals, or it catches up)."""
         if self._pending_state is not None:
             return None
+        if self._early is not None:
+            return self._ahead_cap
         if self._quota is not None and self._quota[0] == self.step:
             return self._quota[1]
         # a new step: wait (a round trip) for the allotment, unless the tracker is silent
@@ -662,6 +686,15 @@ class Volunteer:
                 self._phase(phase)
             quota = self._quota_now()
             if self.sampler.ready and quota is not None and self.trainer.samples >= quota:
+                if self._may_take_early(quota):
+                    # delay 1: its share is computed; take it, apply the previous step's average and compute
+                    # the next step's micro-batches on those parameters while the others finish this step
+                    self._early = await self._hand_over(catching_up=False)
+                    self._ahead_cap = quota // 2  # never more than the next allotment (≈ this one)
+                    if self._pending_state is not None:  # the previous round failed: catching up now
+                        self._early = None
+                    self._heartbeat_now.set()  # tell the tracker it is done with this step
+                    continue
                 # this peer's share of the step is computed: report it now and wait for the close (or a
                 # larger share, if the others fell short), asking again every IDLE_POLL_S
                 if not self._at_quota:
@@ -685,7 +718,8 @@ class Volunteer:
                 now = time.monotonic()
                 self._step_compute_s += now - started
                 if self.record and self._pending_state is None:
-                    self.recorded.setdefault(self.step, []).append(list(batch.provenance))
+                    toward = self.step + (self._early is not None)  # computed ahead: for the next step
+                    self.recorded.setdefault(toward, []).append(list(batch.provenance))
                 micro_batches += 1
                 self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
                 self._step_loss = (self._step_loss[0] + loss * n, self._step_loss[1] + n)
@@ -735,7 +769,8 @@ class Volunteer:
         return min(1.0, self._useful_compute_s / elapsed) if elapsed > 0 else None
 
     def _drop_accumulation(self) -> int:
-        dropped = self.trainer.samples
+        early, self._early = self._early, None
+        dropped = self.trainer.samples + (early.weight if early else 0)
         self.trainer.reset_accumulation()
         self._step_loss = (0.0, 0)
         self._step_compute_s = 0.0
@@ -760,42 +795,67 @@ class Volunteer:
         loaded, so the newcomer ends exactly where the others are."""
         step = self.step
         catching_up = self._pending_state is not None
-        weight = 0 if catching_up else self.trainer.samples
+        taken = self._early
+        weight = taken.weight if taken else 0 if catching_up else self.trainer.samples
+        ahead = self.trainer.samples if taken else 0  # computed for the next step already
         self._phase("waiting-for-group")
-        phases = await self._await_group(step, weight)
+        phases = await self._await_group(step, weight, ahead)
         if not phases:
             self._phase("catching-up" if catching_up else "training")
             return
-        loss_sum, loss_n = self._step_loss
-        self._step_loss = (0.0, 0)
+        if taken is None:
+            taken = await self._hand_over(catching_up)
+        self._early = None
         rnd = _Round(
             step=step,
             phases=phases,
-            weight=weight,
+            weight=taken.weight,
             catching_up=catching_up,
-            compute_s=0.0 if catching_up else self._step_compute_s,
-            loss=loss_sum / loss_n if loss_n and not catching_up else None,
+            compute_s=taken.compute_s,
+            loss=taken.loss,
             started=time.monotonic(),
         )
-        self._step_compute_s = 0.0
-        previous = await self._await_round() if self.delay else None
-        if self.delay or self.trainer.device.type != "cpu":
-            if self._grad_buf is None:
-                self._grad_buf = self._host_buffer()
-        # delay 1: the gradient goes to a buffer of its own (the next step accumulates meanwhile); on the
-        # CPU without delay, the accumulation buffer itself is handed to the all-reduce (no copy)
-        grad = await asyncio.to_thread(self.trainer.take_grad, self._grad_buf)
         if self.delay:
-            if previous is not None:
-                await self._conclude(previous)
             self.step = step + 1
-            self._round_task = asyncio.get_running_loop().create_task(self._run_round(rnd, grad))
+            self._round_task = asyncio.get_running_loop().create_task(self._run_round(rnd, taken.grad))
             self._phase("catching-up" if self._pending_state is not None else "training")
             return
         self._phase("averaging")
-        await self._conclude(await self._run_round(rnd, grad))
+        await self._conclude(await self._run_round(rnd, taken.grad))
         self.step = step + 1
         self._phase("catching-up" if self._pending_state is not None else "training")
+
+    def _may_take_early(self, quota: int) -> bool:
+        """Delay 1, its share of the step computed, the previous round done: the step's gradient can be
+        taken now and the next step's computed ahead (the parameters it needs are known)."""
+        return (
+            bool(self.delay)
+            and self._early is None
+            and self._pending_state is None
+            and self.trainer.samples > 0
+            and quota // 2 > 0
+            and self._round_settled()
+            and not self._notice
+        )
+
+    async def _hand_over(self, catching_up: bool) -> _Taken:
+        """Take the step's gradient out of the accumulation. With delay 1 the previous step's average is
+        applied right after (its round is awaited first: it reads the buffer this gradient goes to)."""
+        loss_sum, loss_n = self._step_loss
+        self._step_loss = (0.0, 0)
+        weight = 0 if catching_up else self.trainer.samples
+        compute_s = 0.0 if catching_up else self._step_compute_s
+        self._step_compute_s = 0.0
+        previous = await self._await_round() if self.delay else None
+        if (self.delay or self.trainer.device.type != "cpu") and self._grad_buf is None:
+            self._grad_buf = self._host_buffer()
+        # delay 1: the gradient goes to a buffer of its own (the next step accumulates meanwhile); on the
+        # CPU without delay, the accumulation buffer itself is handed to the all-reduce (no copy)
+        grad = await asyncio.to_thread(self.trainer.take_grad, self._grad_buf)
+        if previous is not None:
+            await self._conclude(previous)
+        loss = loss_sum / loss_n if loss_n and not catching_up else None
+        return _Taken(step=self.step, weight=weight, compute_s=compute_s, loss=loss, grad=grad)
 
     def _host_buffer(self) -> np.ndarray:
         """A reused float32 host buffer of the model's size (pinned on a GPU: device copies run async)."""
@@ -912,14 +972,14 @@ class Volunteer:
             values = result.values
         return values, failed
 
-    async def _await_group(self, step: int, weight: int) -> list[GroupAssignment]:
+    async def _await_group(self, step: int, weight: int, ahead: int = 0) -> list[GroupAssignment]:
         """Long-poll the tracker until it forms this step's groups: this peer's group in each phase, in
         order; empty if this peer missed the step. The reply's allotment of the next step is kept."""
         while not self._stop.is_set():
             try:
                 reply = await self.tracker.ready(
                     self.config.run_id,
-                    ReadyRequest(peer_id=self.peer_id, step=step, weight=weight),
+                    ReadyRequest(peer_id=self.peer_id, step=step, weight=weight, ahead=ahead),
                     self.key,
                     self.credential,
                 )
@@ -964,14 +1024,17 @@ class Volunteer:
     # ------------------------------------------------------------------ state
 
     def _schedule_snapshot(self) -> None:
-        """Start writing a snapshot of the state just stepped to, in the background, when one is due: every
-        ``snapshot_every`` steps, one at a time, and spaced so that writing takes at most a fifth of the
-        time (the previous snapshot is served until the new one is complete)."""
-        if self.config.client_mode or self._applied % self.config.snapshot_every:
+        """Start writing a snapshot of the state just stepped to, in the background, when one is due (every
+        ``_snapshot_every`` steps, see SNAPSHOT_SPACING; one at a time). The previous snapshot is served
+        until the new one is complete."""
+        now = time.monotonic()
+        if self._last_applied_at is not None:
+            took = now - self._last_applied_at
+            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
+        self._last_applied_at = now
+        if self.config.client_mode or self._applied % self._snapshot_every:
             return
         if self._snapshot_task is not None and not self._snapshot_task.done():
-            return
-        if time.monotonic() < self._snapshot_next_at:
             return
         self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot(self._applied))
 
@@ -1005,7 +1068,10 @@ class Volunteer:
             return
         finally:
             self._snapshot_writing = None
-            self._snapshot_next_at = time.monotonic() + SNAPSHOT_SPACING * (time.monotonic() - started)
+            k, cost = self.config.snapshot_every, time.monotonic() - started
+            while self._step_s > 0 and k * self._step_s < SNAPSHOT_SPACING * cost and k < 1 << 20:
+                k *= 2
+            self._snapshot_every = k
         self.state_server.publish(snapshot)
         try:
             await self.tracker.declare_state(
