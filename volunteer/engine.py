@@ -20,8 +20,9 @@ A global step, as this peer sees it (DeDLOC):
 After each optimizer step a state snapshot is written in the background, straight from the tensors to a
 file (:func:`~crowdtrain.volunteer.state.snapshot.save_snapshot`), and served once complete; the previous
 one is served meanwhile. Training never waits for it, except that the next optimizer step waits for a
-write still in progress (it reads the live tensors). Snapshots are spaced so that writing them takes at
-most a fifth of the wall time.
+write still in progress (it reads the live tensors). Snapshots are written every K steps (a power of two,
+see SNAPSHOT_SPACING), so that writing them takes at most a fifth of the wall time and peers' snapshots
+fall on the same steps.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from crowdtrain.protocol.messages import (
     HeartbeatReply,
     JoinRequest,
     LeaveRequest,
+    ReadyReply,
     ReadyRequest,
     RunSpec,
     StateDeclare,
@@ -260,6 +262,9 @@ class Volunteer:
         # micro-batches are computed ahead, up to ``_ahead_cap`` samples
         self._early: _Taken | None = None
         self._ahead_cap = 0
+        # its ready call, made as soon as a heartbeat says the step closed: (step, task)
+        self._ready_task: tuple[int, asyncio.Task[ReadyReply | None]] | None = None
+        self._asking: int | None = None  # the step the training loop asks a group for, if it does
         self._applied = 0  # the parameters hold the averages of the steps below this one
         # compute share: seconds computing gradients that entered an average, since the first micro-batch
         self._compute_t0: float | None = None
@@ -432,7 +437,8 @@ class Volunteer:
                 self._phase("leaving")
                 if self._pending_state is not None:
                     self._pending_state.cancel()
-                for task in (self._round_task, self._snapshot_task):
+                ready = self._ready_task[1] if self._ready_task is not None else None
+                for task in (self._round_task, self._snapshot_task, ready):
                     if task is not None and not task.done():
                         task.cancel()
                 if self._snapshot_writing is not None:
@@ -561,6 +567,19 @@ class Volunteer:
         self._set_quota(reply, step)
         self._reply = reply
         self._reply_changed.set()
+        early = self._early
+        if (
+            early is not None
+            and reply.step_closed
+            and reply.global_step == early.step
+            and self._ready_task is None
+            and self._asking != early.step
+        ):
+            # computing ahead: say "ready" now, not after the micro-batch in flight
+            task = asyncio.get_running_loop().create_task(
+                self._ask_group(early.step, early.weight, self._ahead_cap)
+            )
+            self._ready_task = (early.step, task)
         self._told_reachability(reply)
         self.emit(
             ev.Progress(
@@ -694,6 +713,7 @@ class Volunteer:
                     if self._pending_state is not None:  # the previous round failed: catching up now
                         self._early = None
                     self._heartbeat_now.set()  # tell the tracker it is done with this step
+                    phase = ""  # (the step's hand-over showed "stepping")
                     continue
                 # this peer's share of the step is computed: report it now and wait for the close (or a
                 # larger share, if the others fell short), asking again every IDLE_POLL_S
@@ -770,6 +790,9 @@ class Volunteer:
 
     def _drop_accumulation(self) -> int:
         early, self._early = self._early, None
+        if self._ready_task is not None:
+            self._ready_task[1].cancel()
+            self._ready_task = None
         dropped = self.trainer.samples + (early.weight if early else 0)
         self.trainer.reset_accumulation()
         self._step_loss = (0.0, 0)
@@ -797,9 +820,20 @@ class Volunteer:
         catching_up = self._pending_state is not None
         taken = self._early
         weight = taken.weight if taken else 0 if catching_up else self.trainer.samples
-        ahead = self.trainer.samples if taken else 0  # computed for the next step already
+        prepared, self._ready_task = self._ready_task, None
+        asked = prepared[1] if prepared is not None and prepared[0] == step else None
+        if prepared is not None and asked is None:
+            prepared[1].cancel()
+        if taken is not None and asked is None:
+            # it will have computed at least ``_ahead_cap`` samples for the next step (its allotment of it
+            # is never below what it reports)
+            asked = asyncio.get_running_loop().create_task(self._ask_group(step, weight, self._ahead_cap))
         self._phase("waiting-for-group")
-        phases = await self._await_group(step, weight, ahead)
+        self._asking = step
+        try:
+            phases = await self._await_group(step, weight, asked=asked)
+        finally:
+            self._asking = None
         if not phases:
             self._phase("catching-up" if catching_up else "training")
             return
@@ -972,9 +1006,9 @@ class Volunteer:
             values = result.values
         return values, failed
 
-    async def _await_group(self, step: int, weight: int, ahead: int = 0) -> list[GroupAssignment]:
-        """Long-poll the tracker until it forms this step's groups: this peer's group in each phase, in
-        order; empty if this peer missed the step. The reply's allotment of the next step is kept."""
+    async def _ask_group(self, step: int, weight: int, ahead: int = 0) -> ReadyReply | None:
+        """Long-poll ``ready`` until the tracker answers with a group, ``missed`` or ``open``; None if it
+        cannot be asked. Changes nothing here (it may run beside the training loop)."""
         while not self._stop.is_set():
             try:
                 reply = await self.tracker.ready(
@@ -985,25 +1019,36 @@ class Volunteer:
                 )
             except TrackerError as exc:
                 self._note(logging.WARNING, "could not ask the tracker for a group (%s); training on", exc)
-                return []
-            if reply.status == "group" and reply.assignment is not None:
-                phases = [reply.assignment, *reply.later_phases]
-                for a in phases:
-                    verify_assignment(a, self.spec.tracker_public_key)
-                    if a.step != step or self.peer_id not in (m.peer_id for m in a.members):
-                        raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
-                if reply.next_allotment is not None and reply.global_step == step + 1:
-                    self._quota = (step + 1, reply.next_allotment)
-                    self._quota_since = time.monotonic()
-                return phases
-            if reply.status == "missed":
-                self._fell_behind(reply.global_step)
-                return []
-            if reply.status == "open":
-                # no reachable peer was ready: nothing was averaged; keep the accumulation and train on
-                self._reply = None
-                return []
+                return None
+            if reply.status in ("group", "missed", "open"):
+                return reply
             await asyncio.sleep(reply.retry_after_s)
+        return None
+
+    async def _await_group(
+        self, step: int, weight: int, *, asked: asyncio.Task[ReadyReply | None] | None = None
+    ) -> list[GroupAssignment]:
+        """This peer's group of this step in each phase, in order (from ``asked``, a ready call already
+        made, or a new one); empty if this peer missed the step or no group was formed. The reply's
+        allotment of the next step is kept."""
+        reply = await (asked if asked is not None else self._ask_group(step, weight))
+        if reply is None:
+            return []
+        if reply.status == "group" and reply.assignment is not None:
+            phases = [reply.assignment, *reply.later_phases]
+            for a in phases:
+                verify_assignment(a, self.spec.tracker_public_key)
+                if a.step != step or self.peer_id not in (m.peer_id for m in a.members):
+                    raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
+            if reply.next_allotment is not None and reply.global_step == step + 1:
+                self._quota = (step + 1, reply.next_allotment)
+                self._quota_since = time.monotonic()
+            return phases
+        if reply.status == "missed":
+            self._fell_behind(reply.global_step)
+            return []
+        # open: no reachable peer was ready: nothing was averaged; keep the accumulation and train on
+        self._reply = None
         return []
 
     async def _average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
