@@ -768,9 +768,12 @@ class Volunteer:
             reply = self._reply
             if reply is None:
                 continue
-            if reply.global_step > self.step:
+            # its ready call for this step went out already (computing ahead): the round may have formed,
+            # so a reply with a later global step is no sign of a missed step
+            asked = self._ready_task is not None and self._ready_task[0] == self.step
+            if reply.global_step > self.step and not asked:
                 self._fell_behind(reply.global_step)
-            elif reply.global_step == self.step and reply.step_closed:
+            elif asked or (reply.global_step == self.step and reply.step_closed):
                 await self._average_and_step()
                 self._reply = None  # wait for a fresh view of the new step
                 self._at_quota = False
