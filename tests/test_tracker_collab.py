@@ -322,3 +322,26 @@ async def test_no_round_is_formed_from_peers_that_computed_nothing(client):
     reply = await asyncio.wait_for(waiting, 5)
     assert (reply.status, reply.global_step) == ("open", 0)
     assert not (await client.status(run_id)).recent_steps
+
+
+async def test_a_step_every_peer_is_done_with_closes_and_samples_computed_ahead_count_for_the_next(
+    tracker, client
+):
+    """Delay 1 (issue 14): a peer done with its share reports ``computing=false`` and computes the next
+    step ahead. A step that no peer computes for any more closes on what it holds; the samples a ready
+    call says were computed ahead are counted for the next step, whose allotment is never below them."""
+    run_id = await new_run(client, target=100, group_size=4, gather_s=5.0, delay=1)
+    a, b = await joined(client, run_id, 2)
+    await a.heartbeat(0, 30, computing=False)
+    assert (await b.heartbeat(0, 20)).step_closed is False  # b still computes
+    reply = await b.heartbeat(0, 40, computing=False)  # done too: 70 of 100, nothing more will come
+    assert (reply.step_closed, reply.samples) == (True, 70)
+    replies = await asyncio.gather(a.ready(0, 30, ahead=12), b.ready(0, 40, ahead=5))
+    assert [r.status for r in replies] == ["group", "group"]
+    assert replies[0].next_allotment >= 12 and replies[1].next_allotment >= 5
+    assert replies[0].next_allotment + replies[1].next_allotment <= 100
+    status = await client.status(run_id)
+    assert status.global_step == 1
+    assert status.recent_steps[-1].samples == 70
+    # the samples computed ahead are step 1's already
+    assert (await a.heartbeat(1, 12)).samples == 12 + 5  # b's 5 are counted until it reports itself

@@ -154,7 +154,9 @@ class SimVolunteer:
             self._server.peer_id = self.joined.peer_id
         return self.joined
 
-    async def heartbeat(self, step: int, samples: int, samples_per_s: float = 10.0) -> HeartbeatReply:
+    async def heartbeat(
+        self, step: int, samples: int, samples_per_s: float = 10.0, *, computing: bool = True
+    ) -> HeartbeatReply:
         assert self.joined is not None, "join first"
         hb = Heartbeat(
             peer_id=self.peer_id,
@@ -162,12 +164,13 @@ class SimVolunteer:
             samples=samples,
             samples_per_s=samples_per_s,
             address=self.address,
+            computing=computing,
         )
         return await self.client.heartbeat(self.run_id, hb, self.key, self.joined.credential)
 
-    async def ready(self, step: int, weight: int, wait_s: float = 20.0) -> ReadyReply:
+    async def ready(self, step: int, weight: int, wait_s: float = 20.0, *, ahead: int = 0) -> ReadyReply:
         assert self.joined is not None, "join first"
-        req = ReadyRequest(peer_id=self.peer_id, step=step, weight=weight)
+        req = ReadyRequest(peer_id=self.peer_id, step=step, weight=weight, ahead=ahead)
         return await self.client.ready(self.run_id, req, self.key, self.joined.credential, wait_s=wait_s)
 
     async def declare_state(self, step: int, content_hash: str, size: int) -> None:
