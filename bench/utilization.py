@@ -32,14 +32,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from crowdtrain.commands.demo import stop_all  # SIGINT, then SIGKILL after a grace
 
 KiB = 1 << 10
 SKIP = 2  # steps left out of the steady-state window
@@ -52,7 +52,6 @@ PHASES = (
     "catching-up",
     "downloading",
 )
-STOP_GRACE_S = 8.0
 
 
 @dataclass
@@ -106,22 +105,6 @@ async def start_volunteer(p: Proc, url: str, run_id: str, workdir: Path, args: a
             p.stderr_tail = [*p.stderr_tail[-30:], raw.decode(errors="replace").rstrip()]
 
     p.pumps = asyncio.gather(pump(), drain())
-
-
-async def stop_all(procs: list[Proc]) -> None:
-    """SIGINT each running volunteer (it leaves the run cleanly), then SIGKILL what is still there."""
-    running = [p.proc for p in procs if p.proc is not None and p.proc.returncode is None]
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in running:
-        try:
-            await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
 
 
 async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict:

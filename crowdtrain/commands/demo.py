@@ -141,7 +141,7 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
                     Live,
                 )
             finally:
-                await _stop_all(procs)
+                await stop_all(procs)
                 seeder_uploaded = seed_download.stats().uploaded
                 await seeder.close()
             _summary(console, procs, steps, time.monotonic() - started, seeder_uploaded)
@@ -250,7 +250,7 @@ async def _run_volunteers(
         )
 
 
-async def _stop_all(procs: list[VolunteerProc]) -> None:
+async def stop_all(procs: list[VolunteerProc]) -> None:
     """SIGINT each running volunteer (it leaves the run cleanly), then SIGKILL what is still there."""
     running = [p.proc for p in procs if p.proc is not None and p.proc.returncode is None]
     for proc in running:

@@ -308,30 +308,10 @@ def write_snapshot(
     )
 
 
-def make_snapshot(
-    *,
-    run_id: str,
-    step: int,
-    recipe: str,
-    args: dict[str, int | float | str | bool],
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    scheduler_state: dict[str, Any] | None,
-    range_bytes: int = 4 * MiB,
-) -> Snapshot:
+def make_snapshot(**fields: Any) -> Snapshot:
     """:func:`write_snapshot` into memory: a :class:`Snapshot` holding its bytes (small states, tests)."""
     buffer = io.BytesIO()
-    manifest = write_snapshot(
-        buffer,
-        run_id=run_id,
-        step=step,
-        recipe=recipe,
-        args=args,
-        model_state=model_state,
-        optimizer_state=optimizer_state,
-        scheduler_state=scheduler_state,
-        range_bytes=range_bytes,
-    )
+    manifest = write_snapshot(buffer, **fields)
     return Snapshot.of(manifest, data=buffer.getvalue())
 
 
