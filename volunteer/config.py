@@ -38,7 +38,7 @@ class VolunteerConfig:
     seed: int | None = None  # sampler seed; default: derived from the peer id
     tracker_timeout_s: float = 10.0
     catch_up: bool = True  # fetch the state from peers when behind
-    snapshot_every: int = 1  # publish a state snapshot every this many steps
+    snapshot_every: int = 1  # snapshot at most every this many steps (more apart when writes are slow)
     state: StateConfig = field(default_factory=StateConfig)  # serving and fetching the run's state
     init_from: Path | None = None  # a `crowdtrain export` checkpoint to start from when no peer serves state
 

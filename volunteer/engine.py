@@ -273,7 +273,7 @@ class Volunteer:
         # snapshots, written in the background
         self._snapshot_task: asyncio.Task | None = None
         self._snapshot_writing: asyncio.Future | None = None  # the write itself (it reads live tensors)
-        self._snapshot_every = 1  # K (see SNAPSHOT_SPACING), adapted after each write
+        self._snapshot_every = config.snapshot_every  # K (see SNAPSHOT_SPACING), adapted after each write
         self._last_applied_at: float | None = None
         self._step_s = 0.0  # smoothed time between two applied steps
         self._state_dir = config.data_dir / "crowdtrain-state"  # snapshots, a fetched state, the replay
