@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from utilization import KiB, Proc, cores, model_args, param_count, start_volunteer, stop_all, tails
+from utilization import KiB, Proc, cores, model_args, param_count, published, start_volunteer, stop_all, tails
 
 FLOOR = """
 import json, sys, torch
@@ -65,62 +65,44 @@ async def wait_for(predicate, seconds: float, what: str) -> None:
 
 
 async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict[str, list[int]]:
-    from crowdtrain.datasets.make import make_dataset
-    from crowdtrain.datasets.session import SessionConfig, TorrentSession
-    from crowdtrain.protocol.client import TrackerClient
-    from crowdtrain.publisher import build_run_create
-    from crowdtrain.tracker.config import TrackerConfig
-    from crowdtrain.tracker.server import serve
     from crowdtrain.volunteer import events as ev
 
     donors = [Proc("v1"), Proc("v2")]
     newcomer = Proc("late")
     peaks: dict[str, list[int]] = {}
-    async with serve(TrackerConfig(db=":memory:")) as tracker:
-        data = workdir / "data"
-        manifest = await asyncio.to_thread(
-            make_dataset, "builtin:stdlib", data, chunk_bytes=64 * KiB, name="memory",
-            announce_url=tracker.announce_url, max_bytes=1024 * KiB,
-        )  # fmt: skip
-        create = await asyncio.to_thread(
-            build_run_create, data, name="memory", model={"recipe": "tiny-gpt", "args": margs},
-            target_batch_size=args.target, micro_batch_size=args.micro,
-            optimizer={"name": "adamw", "lr": 1e-3},
-            schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
-            averaging={"group_size": 4, "codec": args.codec, "average_state_every": 0, "round_timeout_s": 120.0},
-        )  # fmt: skip
-        async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
-            spec = (await client.create_run(create)).spec
-        async with TorrentSession(SessionConfig(listen="127.0.0.1:0")) as seeder:
-            await seeder.seed(data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest)
-            procs = [*donors, newcomer]
-            try:
-                for p in donors:
-                    await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
+    averaging = {"group_size": 4, "codec": args.codec, "average_state_every": 0, "round_timeout_s": 120.0}
+    async with published(workdir, "memory", margs, args, averaging) as (tracker, spec):
+        procs = [*donors, newcomer]
+        try:
+            for p in donors:
+                await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
 
-                def stepped(p: Proc, n: int) -> bool:
-                    return sum(isinstance(e, ev.StepDone) for e in p.events) >= n
+            def stepped(p: Proc, n: int) -> bool:
+                return sum(isinstance(e, ev.StepDone) for e in p.events) >= n
 
-                def served(p: Proc) -> bool:
-                    return any(isinstance(e, ev.StateServed) for e in p.events)
+            def served(p: Proc) -> bool:
+                return any(isinstance(e, ev.StateServed) for e in p.events)
 
-                await wait_for(
-                    lambda: all(stepped(p, args.late_at) and served(p) for p in donors),
-                    args.timeout, f"{args.late_at} steps and a snapshot",
-                )  # fmt: skip
-                peaks["stepping"] = [peak_of(p.proc.pid) for p in donors]
-                await start_volunteer(newcomer, tracker.url, spec.run_id, workdir, args)
-                loaded = lambda: any(isinstance(e, ev.StateLoaded) for e in newcomer.events)  # noqa: E731
-                await wait_for(loaded, args.timeout, "the newcomer to load the state")
-                took = sum(isinstance(e, ev.StepDone) for e in newcomer.events)
-                await wait_for(lambda: stepped(newcomer, took + 1), args.timeout, "the newcomer's next step")
-                peaks["serving"] = [peak_of(p.proc.pid) for p in donors]
-                peaks["catching up"] = [peak_of(newcomer.proc.pid)]
-            except BaseException:
-                print(tails(procs), file=sys.stderr)
-                raise
-            finally:
-                await stop_all(procs)
+            await wait_for(
+                lambda: all(stepped(p, args.late_at) and served(p) for p in donors),
+                args.timeout, f"{args.late_at} steps and a snapshot",
+            )  # fmt: skip
+            peaks["stepping"] = [peak_of(p.proc.pid) for p in donors]
+            await start_volunteer(newcomer, tracker.url, spec.run_id, workdir, args)
+            loaded = lambda: any(isinstance(e, ev.StateLoaded) for e in newcomer.events)  # noqa: E731
+            await wait_for(loaded, args.timeout, "the newcomer to load the state")
+            took = sum(isinstance(e, ev.StepDone) for e in newcomer.events)
+            await wait_for(lambda: stepped(newcomer, took + 1), args.timeout, "the newcomer's next step")
+            peaks["serving"] = [peak_of(p.proc.pid) for p in donors]
+            peaks["catching up"] = [peak_of(newcomer.proc.pid)]
+        except BaseException:
+            print(tails(procs), file=sys.stderr)
+            for p in procs:  # what was measured before it stopped (a timeout, Ctrl-C)
+                if p.proc is not None and p.proc.returncode is None:
+                    print(f"{p.name}: peak so far {peak_of(p.proc.pid) / 1e9:.2f} GB", file=sys.stderr)
+            raise
+        finally:
+            await stop_all(procs)
     return peaks
 
 

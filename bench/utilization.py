@@ -107,7 +107,12 @@ async def start_volunteer(p: Proc, url: str, run_id: str, workdir: Path, args: a
     p.pumps = asyncio.gather(pump(), drain())
 
 
-async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict:
+@contextlib.asynccontextmanager
+async def published(
+    workdir: Path, name: str, margs: dict[str, int], args: argparse.Namespace, averaging: dict
+):
+    """A tracker in this process, the built-in corpus cut and seeded, and a run of tiny-gpt ``margs`` on it
+    (AdamW at 1e-3, constant rate, ``args.target`` / ``args.micro``, ``averaging``): yields (tracker, spec)."""
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
     from crowdtrain.protocol.client import TrackerClient
@@ -115,59 +120,66 @@ async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], w
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
 
-    workdir = workdir / f"delay-{delay}"
-    records: dict[int, Any] = {}
-    procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
     async with serve(TrackerConfig(db=":memory:")) as tracker:
         data = workdir / "data"
         manifest = await asyncio.to_thread(
-            make_dataset, "builtin:stdlib", data, chunk_bytes=64 * KiB, name="utilization",
+            make_dataset, "builtin:stdlib", data, chunk_bytes=64 * KiB, name=name.split()[0],
             announce_url=tracker.announce_url, max_bytes=1024 * KiB,
         )  # fmt: skip
         create = await asyncio.to_thread(
-            build_run_create, data, name=f"utilization delay {delay}",
-            model={"recipe": "tiny-gpt", "args": margs},
+            build_run_create, data, name=name, model={"recipe": "tiny-gpt", "args": margs},
             target_batch_size=args.target, micro_batch_size=args.micro,
             optimizer={"name": "adamw", "lr": 1e-3},
             schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
-            averaging={
-                "group_size": args.group_size, "codec": args.codec, "delay": delay,
-                "average_state_every": args.average_state_every,
-            },
+            averaging=averaging,
         )  # fmt: skip
         async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
             spec = (await client.create_run(create)).spec
         async with TorrentSession(SessionConfig(listen="127.0.0.1:0")) as seeder:
             await seeder.seed(data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest)
+            yield tracker, spec
 
-            async def watch_history() -> None:
-                async with TrackerClient(tracker.url) as c:
-                    while True:  # the tracker keeps the last 10 steps: read them often
-                        for r in (await c.status(spec.run_id)).recent_steps:
-                            records[r.step] = r
-                        await asyncio.sleep(0.5)
 
-            watcher = asyncio.create_task(watch_history())
-            try:
-                for p in procs:
-                    await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
-                waits = [asyncio.gather(p.proc.wait(), p.pumps) for p in procs]
-                try:
-                    await asyncio.wait_for(asyncio.gather(*waits), args.timeout)
-                except TimeoutError:
-                    raise SystemExit(
-                        f"delay {delay}: the volunteers did not finish {args.steps} steps within "
-                        f"{args.timeout:.0f} s (--timeout); last steps closed: {sorted(records)[-3:]}\n"
-                        + tails(procs)
-                    ) from None
-            finally:
-                await stop_all(procs)
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict:
+    from crowdtrain.protocol.client import TrackerClient
+
+    workdir = workdir / f"delay-{delay}"
+    records: dict[int, Any] = {}
+    procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
+    averaging = {
+        "group_size": args.group_size, "codec": args.codec, "delay": delay,
+        "average_state_every": args.average_state_every,
+    }  # fmt: skip
+    async with published(workdir, f"utilization delay {delay}", margs, args, averaging) as (tracker, spec):
+
+        async def watch_history() -> None:
             async with TrackerClient(tracker.url) as c:
-                for r in (await c.status(spec.run_id)).recent_steps:
-                    records[r.step] = r
+                while True:  # the tracker keeps the last 10 steps: read them often
+                    for r in (await c.status(spec.run_id)).recent_steps:
+                        records[r.step] = r
+                    await asyncio.sleep(0.5)
+
+        watcher = asyncio.create_task(watch_history())
+        try:
+            for p in procs:
+                await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
+            waits = [asyncio.gather(p.proc.wait(), p.pumps) for p in procs]
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), args.timeout)
+            except TimeoutError:
+                raise SystemExit(
+                    f"delay {delay}: the volunteers did not finish {args.steps} steps within "
+                    f"{args.timeout:.0f} s (--timeout); last steps closed: {sorted(records)[-3:]}\n"
+                    + tails(procs)
+                ) from None
+        finally:
+            await stop_all(procs)
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        async with TrackerClient(tracker.url) as c:
+            for r in (await c.status(spec.run_id)).recent_steps:
+                records[r.step] = r
     failed = [p for p in procs if p.proc.returncode != 0]
     if failed:
         raise SystemExit(f"delay {delay}: {len(failed)} volunteer(s) exited with an error\n" + tails(failed))
