@@ -441,8 +441,7 @@ class Volunteer:
                 for task in (self._round_task, self._snapshot_task, ready):
                     if task is not None and not task.done():
                         task.cancel()
-                if self._snapshot_writing is not None:
-                    await asyncio.wait({self._snapshot_writing})  # a thread: let it finish its file
+                await self._snapshot_written()  # a thread: let it finish its file
                 # In order: stop accepting peers, tell the tracker, then close what talks to the network.
                 await server.stop()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
