@@ -318,10 +318,16 @@ class ReadyReply(Message, kw_only=True):
 # ---------------------------------------------------------------- state directory
 
 
+MAX_DECLARED_STATES = 4  # snapshots one peer may declare at once (its newest and the older it still serves)
+
+
 class StateDeclare(Message, kw_only=True):
     version: Version = VERSION
     peer_id: str
-    state: StateVersion
+    state: StateVersion  # its newest snapshot
+    # older snapshots it still serves (at most MAX_DECLARED_STATES - 1): peers that snapshot the same steps a
+    # little apart in time still back one version together
+    older: list[StateVersion] = []
 
 
 class Donor(Message, kw_only=True):
@@ -334,6 +340,9 @@ class DonorList(Message, kw_only=True):
     version: Version = VERSION
     state: StateVersion | None
     donors: list[Donor]
+    serving: int = 0  # peers serving some state of the run, listed or not
+    # when ``state`` is None although ``serving`` > 0: why none is listed (wait and ask again)
+    reason: str | None = None
 
 
 class StateManifest(Message, kw_only=True):

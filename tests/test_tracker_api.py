@@ -360,24 +360,31 @@ async def test_wrong_ping_answer_is_client_mode_and_cannot_donate(admin, run_id)
         await v.join(address=ps.address)
         for _ in range(5):
             assert (await v.heartbeat(0, 1)).reachable is False
-        await v.declare_state(3, "ab" * 32, 10)
+        await v.declare_state(0, "ab" * 32, 10)
         assert (await admin.donors(run_id)).donors == []
 
 
-async def test_donors_are_of_the_version_most_peers_serve_of_a_step_the_run_reached(admin, run_id):
+async def reachable_volunteers(admin, run_id, servers) -> list[SimVolunteer]:
+    vols = [SimVolunteer(admin, run_id) for _ in servers]
+    for v, server in zip(vols, servers, strict=True):
+        await v.join(address=server.address)
+        server.peer_id = v.peer_id
+    for v in vols:
+        for _ in range(200):
+            if (await v.heartbeat(0, 1)).reachable:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the tracker never verified a peer answering GET /v1/ping")
+    return vols
+
+
+async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(admin, run_id):
     async with PingServer() as a, PingServer() as b, PingServer() as c:
-        vols = [SimVolunteer(admin, run_id) for _ in range(3)]
-        for v, server in zip(vols, (a, b, c), strict=True):
-            await v.join(address=server.address)
-            server.peer_id = v.peer_id
-        for v in vols:
-            for _ in range(200):
-                if (await v.heartbeat(0, 1)).reachable:
-                    break
-                await asyncio.sleep(0.02)
-        va, vb, vc = vols
-        # the run is at step 0: a state declared for a later step is not listed
-        await va.declare_state(5, "aa" * 32, 10)
+        va, vb, vc = vols = await reachable_volunteers(admin, run_id, (a, b, c))
+        # the run is at step 0: a state declared for a later step is refused
+        with pytest.raises(TrackerError, match="state step 5 is beyond the run's step 0"):
+            await va.declare_state(5, "aa" * 32, 10)
         assert (await admin.donors(run_id)).state is None
         # two steps close (every peer's share in; the target is 100)
         for step in range(2):
@@ -387,17 +394,53 @@ async def test_donors_are_of_the_version_most_peers_serve_of_a_step_the_run_reac
         await va.declare_state(1, "aa" * 32, 10)
         await vb.declare_state(2, "bb" * 32, 11)
         donors = await admin.donors(run_id)
-        assert donors.state.step == 2  # one donor each: the newest
-        assert [d.peer_id for d in donors.donors] == [vb.peer_id]
+        # two peers serve state, but no version is backed by both: none is listed, and the reason says so
+        assert donors.state is None and donors.serving == 2 and donors.donors == []
+        assert "agree on none yet" in donors.reason
         await vc.declare_state(1, "aa" * 32, 10)
         donors = await admin.donors(run_id)
-        assert donors.state.step == 1  # served by two: a newcomer fetches from both at once
+        assert (donors.state.step, donors.state.content_hash) == (1, "aa" * 32)
         assert sorted(d.peer_id for d in donors.donors) == sorted([va.peer_id, vc.peer_id])
+        # a peer's older snapshot backs a version too
+        await vb.declare_state(2, "bb" * 32, 11, older=((1, "aa" * 32, 10),))
+        donors = await admin.donors(run_id)
+        assert donors.state.step == 1 and len(donors.donors) == 3
+        # two hashes for step 2, one backer each: a tie is no choice, the older agreed version stays
+        await va.declare_state(2, "cc" * 32, 11, older=((1, "aa" * 32, 10),))
+        assert (await admin.donors(run_id)).state.step == 1
+        # a second backer of bb outvotes cc
+        await vc.declare_state(2, "bb" * 32, 11)
+        donors = await admin.donors(run_id)
+        assert (donors.state.step, donors.state.content_hash) == (2, "bb" * 32)
+        assert sorted(d.peer_id for d in donors.donors) == sorted([vb.peer_id, vc.peer_id])
+        # with one peer serving state, its own is listed (there is nobody to agree with)
         await va.leave()
         await vc.leave()
         donors = await admin.donors(run_id)
-        assert donors.state.step == 2
-        assert [d.peer_id for d in donors.donors] == [vb.peer_id]
+        assert donors.state.step == 2 and [d.peer_id for d in donors.donors] == [vb.peer_id]
+
+
+async def test_state_of_a_step_a_peer_skipped_is_refused_and_repeated_refusals_drop_the_donor(admin, run_id):
+    async with PingServer() as a, PingServer() as b:
+        (va,) = await reachable_volunteers(admin, run_id, (a,))
+        await va.heartbeat(0, 100)
+        await va.ready(0, 100)
+        # vb joined after step 0 formed: it cannot vouch for the state after it
+        (vb,) = await reachable_volunteers(admin, run_id, (b,))
+        with pytest.raises(
+            TrackerError, match="took no part in step 0, so it cannot vouch for the state of step 1"
+        ):
+            await vb.declare_state(1, "aa" * 32, 10)
+        with pytest.raises(TrackerError, match="beyond the run's step 1"):
+            await vb.declare_state(9, "aa" * 32, 10)
+        with pytest.raises(TrackerError, match="3 declarations refused, no longer a donor"):
+            await vb.declare_state(9, "aa" * 32, 10)
+        # dropped for good: even a state it may hold (the initial one) is refused, and it is never listed
+        with pytest.raises(TrackerError, match="is no longer a state donor"):
+            await vb.declare_state(0, "aa" * 32, 10)
+        await va.declare_state(1, "dd" * 32, 10)
+        donors = await admin.donors(run_id)
+        assert donors.serving == 1 and [d.peer_id for d in donors.donors] == [va.peer_id]
 
 
 async def test_state_declare_validates(admin, run_id):

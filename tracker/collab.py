@@ -37,7 +37,7 @@ import contextlib
 import math
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +58,10 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.store import Store
 
+# A state is listed when MIN_BACKERS peers serve the same one (when that many serve any), and a peer whose
+# declarations were refused DONOR_STRIKES times is no donor any more.
+MIN_BACKERS = 2
+DONOR_STRIKES = 3
 KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -89,7 +93,13 @@ class Peer:
     loss: float | None = None
     compute_share: float | None = None  # as its last heartbeat said
     last_seen: float = 0.0  # monotonic
-    state: StateVersion | None = None
+    states: tuple[StateVersion, ...] = ()  # the snapshots it declared it serves, newest first
+    refused_states: int = 0  # its state declarations the tracker refused
+    donor_dropped: bool = False  # refused DONOR_STRIKES times: never listed as a donor again
+
+
+class StateRefused(ValueError):
+    """A state declaration the tracker does not record (the message says why)."""
 
 
 class RunState:
@@ -512,27 +522,76 @@ class RunState:
             for p in peers
         ]
 
+    def declare_state(self, peer: Peer, versions: list[StateVersion]) -> None:
+        """Record the snapshots ``peer`` serves (newest first), or raise :class:`StateRefused` saying why
+        not. A peer vouches only for the state of a step the run reached, after a step it took part in (as
+        far as the tracker still knows who took part: the last KEEP_FORMED_STEPS steps, since it started).
+        A refusal counts against the peer; at DONOR_STRIKES it is dropped from the donors for good."""
+        if peer.donor_dropped:
+            raise StateRefused(
+                f"peer {peer.peer_id} is no longer a state donor of run {self.run_id}: "
+                f"{peer.refused_states} of its state declarations were refused"
+            )
+        refusal = None
+        for v in versions:
+            if v.step > self.global_step:
+                refusal = f"state step {v.step} is beyond the run's step {self.global_step}"
+            elif v.step > 0 and v.step - 1 in self.formed and peer.peer_id not in self.formed[v.step - 1]:
+                refusal = (
+                    f"peer {peer.peer_id} took no part in step {v.step - 1}, so it cannot vouch for the "
+                    f"state of step {v.step}"
+                )
+            if refusal is not None:
+                break
+        if refusal is not None:
+            peer.refused_states += 1
+            if peer.refused_states >= DONOR_STRIKES:
+                peer.donor_dropped = True
+                peer.states = ()
+                refusal += f"; {peer.refused_states} declarations refused, no longer a donor of this run"
+            raise StateRefused(refusal)
+        peer.states = tuple(versions)
+
     def donors(self, limit: int = 64) -> DonorList:
-        """Donors of the declared state most peers serve (a newcomer fetches from all of them at once); of
-        states served by as many, the newest. A state of a step the run has not reached is not listed."""
-        serving = [
-            p
-            for p in self.peers.values()
-            if p.state is not None and p.state.step <= self.global_step and self._owns_part(p.peer_id)
-        ]
+        """Donors of the run's state, by consensus rather than by claim. Of the reachable peers serving
+        states of steps the run reached, the tracker lists the newest step at which one content hash is held
+        by more of them than any other hash of that step (a tie: it does not choose) and by at least
+        MIN_BACKERS of them — or by the only one, when just one peer serves state. A newcomer fetches from
+        all of the listed donors at once, and checks every range against the hash."""
+        backers: dict[StateVersion, list[Peer]] = {}
+        serving = 0
+        for p in self.peers.values():
+            if not p.states or p.donor_dropped or not self._owns_part(p.peer_id):
+                continue
+            serving += 1
+            for v in p.states:
+                if v.step <= self.global_step:
+                    backers.setdefault(v, []).append(p)
         if not serving:
             return DonorList(state=None, donors=[])
-        counts = Counter((p.state.step, p.state.content_hash, p.state.size) for p in serving if p.state)
-        (top, content_hash, size), _ = max(counts.items(), key=lambda kv: (kv[1], kv[0][0]))
-        chosen = [
-            p
-            for p in serving
-            if p.state is not None and p.state.step == top and p.state.content_hash == content_hash
-        ]
+        need = min(MIN_BACKERS, serving)
+        by_step: dict[int, list[tuple[StateVersion, list[Peer]]]] = {}
+        for version, held_by in backers.items():
+            by_step.setdefault(version.step, []).append((version, held_by))
+        for step in sorted(by_step, reverse=True):
+            ranked = sorted(by_step[step], key=lambda vp: len(vp[1]), reverse=True)
+            version, chosen = ranked[0]
+            if len(chosen) < need or (len(ranked) > 1 and len(ranked[1][1]) == len(chosen)):
+                continue
+            return DonorList(
+                state=version,
+                donors=[
+                    Donor(peer_id=p.peer_id, address=p.address or "", public_key=p.public_key)
+                    for p in chosen[:limit]
+                ],
+                serving=serving,
+            )
         return DonorList(
-            state=StateVersion(step=top, content_hash=content_hash, size=size),
-            donors=[
-                Donor(peer_id=p.peer_id, address=p.address or "", public_key=p.public_key)
-                for p in chosen[:limit]
-            ],
+            state=None,
+            donors=[],
+            serving=serving,
+            reason=(
+                f"the {serving} peers serving state agree on none yet (no step's snapshot is held by "
+                f"{need} of them with no other content hash held as often); ask again after the next step"
+            ),
         )

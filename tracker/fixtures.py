@@ -173,10 +173,14 @@ class SimVolunteer:
         req = ReadyRequest(peer_id=self.peer_id, step=step, weight=weight, ahead=ahead)
         return await self.client.ready(self.run_id, req, self.key, self.joined.credential, wait_s=wait_s)
 
-    async def declare_state(self, step: int, content_hash: str, size: int) -> None:
+    async def declare_state(
+        self, step: int, content_hash: str, size: int, older: tuple[tuple[int, str, int], ...] = ()
+    ) -> None:
         assert self.joined is not None, "join first"
         msg = StateDeclare(
-            peer_id=self.peer_id, state=StateVersion(step=step, content_hash=content_hash, size=size)
+            peer_id=self.peer_id,
+            state=StateVersion(step=step, content_hash=content_hash, size=size),
+            older=[StateVersion(step=s, content_hash=h, size=n) for s, h, n in older],
         )
         await self.client.declare_state(self.run_id, msg, self.key, self.joined.credential)
 

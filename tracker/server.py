@@ -43,6 +43,7 @@ from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     HEX40,
     HEX64,
+    MAX_DECLARED_STATES,
     PEER_PROTOCOL,
     DatasetRegistration,
     ErrorBody,
@@ -66,7 +67,7 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
-from crowdtrain.tracker.collab import Peer, RunState
+from crowdtrain.tracker.collab import Peer, RunState, StateRefused
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
 from crowdtrain.tracker.reach import AddressError, Checker, resolve_address
@@ -637,19 +638,29 @@ class Tracker:
 
     async def declare_state(self, request: web.Request) -> web.Response:
         run, msg, _ = await self._signed(request, StateDeclare)
-        state = msg.state
-        if not HEX64.match(state.content_hash):
+        versions = [msg.state, *msg.older]
+        if len(versions) > MAX_DECLARED_STATES:
             raise ApiError(
-                400, "StateDeclare: state.content_hash must be 64 lowercase hex characters (sha256)"
+                400, f"StateDeclare: at most {MAX_DECLARED_STATES} states (state and older) at once"
             )
-        if not (0 <= state.step <= MAX_INT and 0 <= state.size <= 1 << 42):
-            raise ApiError(400, "StateDeclare: state.step and state.size must be non-negative and bounded")
+        for v in versions:
+            if not HEX64.match(v.content_hash):
+                raise ApiError(
+                    400, "StateDeclare: state.content_hash must be 64 lowercase hex characters (sha256)"
+                )
+            if not (0 <= v.step <= MAX_INT and 0 <= v.size <= 1 << 42):
+                raise ApiError(
+                    400, "StateDeclare: state.step and state.size must be non-negative and bounded"
+                )
         peer = self._known(run, msg.peer_id)
         if peer.address is None:
             raise ApiError(
                 400, "only a peer with a reachable address can serve state; declare an address in heartbeats"
             )
-        peer.state = state
+        try:
+            run.declare_state(peer, versions)
+        except StateRefused as exc:
+            raise ApiError(403 if peer.donor_dropped else 400, f"state declaration refused: {exc}") from None
         peer.last_seen = time.monotonic()
         return web.Response(status=204)
 

@@ -1121,9 +1121,12 @@ class Volunteer:
             self._snapshot_every = k
         self.state_server.publish(snapshot)
         try:
+            # the older snapshots still served are declared too: a peer a little behind in writing the same
+            # step's snapshot still backs one version with this one (see the tracker's donor rule)
+            older = [v for v in self.state_server.versions if v != snapshot.version]
             await self.tracker.declare_state(
                 self.config.run_id,
-                StateDeclare(peer_id=self.peer_id, state=snapshot.version),
+                StateDeclare(peer_id=self.peer_id, state=snapshot.version, older=older),
                 self.key,
                 self.credential,
             )
@@ -1137,8 +1140,16 @@ class Volunteer:
 
     async def _fetch_state(self):
         donors = await self.tracker.donors(self.config.run_id)
+        if donors.state is None and donors.serving:
+            raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
         if donors.state is None or not donors.donors:
             return None
+        if donors.serving >= 2 and len({d.peer_id for d in donors.donors}) < 2:
+            # never load a state only one peer vouches for when two could
+            raise StateSyncError(
+                f"the tracker lists one donor of state step {donors.state.step} while {donors.serving} peers "
+                "serve state"
+            )
         incoming = self._state_dir / "incoming.safetensors"
         try:
             path = await fetch_state(

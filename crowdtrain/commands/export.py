@@ -29,6 +29,8 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     async with TrackerClient(tracker_url, timeout_s=timeout_s) as tracker:
         await tracker.get_spec(run_id)
         donors = await tracker.donors(run_id)
+        if donors.state is None and donors.reason:
+            raise StateSyncError(f"run {run_id}: {donors.reason}")
         if donors.state is None or not donors.donors:
             raise StateSyncError(
                 f"no volunteer of run {run_id} serves its state right now; export while volunteers are online"

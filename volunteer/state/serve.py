@@ -26,7 +26,7 @@ import zstandard
 from aiohttp import web
 
 from crowdtrain.protocol.errors import AuthError
-from crowdtrain.protocol.messages import HEX64, ErrorBody, encode
+from crowdtrain.protocol.messages import HEX64, MAX_DECLARED_STATES, ErrorBody, StateVersion, encode
 from crowdtrain.protocol.peerauth import check_headers
 from crowdtrain.volunteer.events import Emit, StateServed, no_emit
 from crowdtrain.volunteer.state.config import StateConfig
@@ -138,6 +138,11 @@ class StateServer:
     @property
     def newest(self) -> Snapshot | None:
         return next(reversed(self._served.values())).snapshot if self._served else None
+
+    @property
+    def versions(self) -> list[StateVersion]:
+        """The versions served, newest first (as declared to the tracker)."""
+        return [served.snapshot.version for served in reversed(self._served.values())][:MAX_DECLARED_STATES]
 
     @property
     def active_uploads(self) -> int:
