@@ -184,6 +184,14 @@ class TrackerClient:
         _, data = await self._request("POST", f"{API}/runs", encode(create), self._admin())
         return self._decode(data, RunCreated)
 
+    async def close_run(self, run_id: str) -> None:
+        """Admin: the run takes no more steps; its volunteers are told (410) and leave."""
+        await self._request("POST", f"{API}/runs/{run_id}/close", b"", self._admin())
+
+    async def delete_run(self, run_id: str) -> None:
+        """Admin: the run and its step history are deleted; its volunteers are told (410) and leave."""
+        await self._request("DELETE", f"{API}/runs/{run_id}", None, self._admin())
+
     async def register_dataset(self, infohash_hex: str, name: str) -> DatasetRegistration:
         msg = DatasetRegistration(infohash=infohash_hex, name=name)
         _, data = await self._request("POST", f"{API}/datasets", encode(msg), self._admin())

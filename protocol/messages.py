@@ -88,6 +88,9 @@ class AveragingSpec(Message, kw_only=True):
     # parameters of step N while step N's gradients are averaged; the average is applied when step N+1
     # closes (one step of staleness, declared here so every peer follows the same rule).
     delay: int = 0
+    # the most one peer is credited of a step's target while another peer takes part in the step: no peer
+    # closes a step alone or outweighs the others then (1.0: no cap, for a run whose peers trust each other)
+    max_peer_share: float = 0.5
 
 
 class ChunkInfo(Message, kw_only=True):
@@ -163,6 +166,7 @@ class RunSummary(Message, kw_only=True):
     global_step: int
     peers_online: int
     created_at: float
+    closed_at: float | None = None  # its admin closed it: it takes no more steps
 
 
 class RunList(Message, kw_only=True):
@@ -395,6 +399,7 @@ class RunStatus(Message, kw_only=True):
     peers: list[PeerStatus]
     recent_steps: list[StepRecord]
     notice: str | None = None  # a run-wide problem, in one sentence (as in HeartbeatReply)
+    closed_at: float | None = None  # its admin closed it: it takes no more steps
 
 
 class ErrorBody(Message, kw_only=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 
 from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS
@@ -41,6 +42,23 @@ DTYPES = {
     "float64",
     "bool",
 }
+
+
+# control characters (NUL, ESC, CR, LF…), format characters (U+202E and the other bidi overrides), line and
+# paragraph separators, surrogates and private use: none belongs in a name a terminal or a log shows
+_UNPRINTABLE = {"Cc", "Cf", "Cs", "Co", "Zl", "Zp"}
+
+
+def check_text(field: str, value: str, longest: int = 200) -> None:
+    """A name people read in logs and terminals: 1 to ``longest`` characters, none that moves the cursor,
+    ends a line, reverses the text or is invisible."""
+    if not value or len(value) > longest:
+        raise ConfigError(field, f"must be 1 to {longest} characters long")
+    for ch in value:
+        if unicodedata.category(ch) in _UNPRINTABLE:
+            raise ConfigError(
+                field, f"must be printable text; it holds the control character U+{ord(ch):04X}"
+            )
 
 
 def _int(field: str, value: int, low: int, high: int = MAX_INT) -> None:
@@ -88,6 +106,9 @@ def check_averaging(avg: AveragingSpec) -> None:
     _int("averaging.state_lag_tolerance", avg.state_lag_tolerance, 0)
     for name in ("round_timeout_s", "gather_s", "step_timeout_s"):
         _positive(f"averaging.{name}", getattr(avg, name), 86400.0)
+    share = avg.max_peer_share
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise ConfigError("averaging.max_peer_share", f"must be above 0 and at most 1, got {share}")
     clip = avg.clip_multiple
     if not (math.isfinite(clip) and (clip == 0 or clip >= 1)):
         raise ConfigError("averaging.clip_multiple", f"must be 0 (no clipping) or a number ≥ 1, got {clip}")
@@ -126,10 +147,13 @@ def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:
 
 def check_run(msg: RunCreate | RunSpec) -> None:
     """Raise :class:`ConfigError` naming the first field that makes ``msg`` a run no volunteer can run."""
-    if not msg.name or len(msg.name) > 200:
-        raise ConfigError("name", "must be 1 to 200 characters long")
-    if not msg.model.recipe or len(msg.model.recipe) > 200:
-        raise ConfigError("model.recipe", "must be 1 to 200 characters long")
+    check_text("name", msg.name)
+    check_text("model.recipe", msg.model.recipe)
+    for key, value in msg.model.args.items():
+        check_text("model.args", key, 100)
+        if isinstance(value, str):
+            check_text(f"model.args.{key}", value, 1000)
+    check_text("dataset.manifest.name", msg.dataset.manifest.name)
     _int("target_batch_size", msg.target_batch_size, 1)
     _int("micro_batch_size", msg.micro_batch_size, 1, MAX_MICRO_BATCH)
     _int("seed", msg.seed, 0)

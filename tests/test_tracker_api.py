@@ -572,6 +572,14 @@ def _with(path: str, value):
         (_with("dataset.web_seed", "file:///etc/passwd"), "dataset.web_seed"),
         (_with("dataset.manifest.chunks.0.name", "../../../etc/passwd"), "dataset.manifest.chunks[0].name"),
         (_with("dataset.manifest.chunks.0.samples", -5), "dataset.manifest.chunks[0].samples"),
+        (_with("averaging.max_peer_share", 0.0), "averaging.max_peer_share"),
+        # names a log line or a terminal shows: no NUL, ESC, CR/LF or right-to-left override
+        (_with("name", "run\x00"), "name"),
+        (_with("name", "run\r\n2026-11-23 INFO peer admitted"), "name"),
+        (_with("name", "\x1b[2Jrun"), "name"),
+        (_with("name", "run\u202egnp.exe"), "name"),
+        (_with("model.recipe", "mlp\n"), "model.recipe"),
+        (_with("dataset.manifest.name", "set\x07"), "dataset.manifest.name"),
     ],
 )
 async def test_create_refuses_a_run_no_volunteer_could_run_naming_the_field(tracker, mutate, field):

@@ -153,6 +153,7 @@ async def test_status_prints_progress_as_text_and_json(tracker, cli_env):
         run_id = (await c.create_run(make_run_create("watched", target_batch_size=100))).run_id
         v = SimVolunteer(c, run_id)
         await v.join()
+        await asyncio.sleep(0.5)  # 25 samples at 12.5/s: a claim the tracker credits only after a while
         await v.heartbeat(0, 25, samples_per_s=12.5)
     out = await cli(cli_env, "status", run_id, "--tracker", tracker.url, "--json")
     assert out.returncode == 0, out.stderr

@@ -313,7 +313,7 @@ async def test_a_contributor_still_in_its_micro_batch_is_waited_for_past_gather(
 async def test_no_round_is_formed_from_peers_that_computed_nothing(client):
     run_id = await new_run(client, target=10, gather_s=0.1)
     idle, worker = await joined(client, run_id, 2)
-    await idle.heartbeat(0, 0)
+    await idle.heartbeat(0, 0, computing=False)  # (one computing would cap the worker at half the step)
     assert (await worker.heartbeat(0, 10)).step_closed
     waiting = asyncio.create_task(idle.ready(0, 0))
     await asyncio.sleep(0.3)
@@ -345,3 +345,59 @@ async def test_a_step_every_peer_is_done_with_closes_and_samples_computed_ahead_
     assert status.recent_steps[-1].samples == 70
     # the samples computed ahead are step 1's already
     assert (await a.heartbeat(1, 12)).samples == 12 + 5  # b's 5 are counted until it reports itself
+
+
+async def test_inflated_samples_and_weights_are_capped_so_a_liar_neither_closes_a_step_nor_outweighs(client):
+    """Issue 16: a joined peer (its own key, hand-made numbers) heartbeats 10⁹ samples and asks to be
+    averaged with weight 10¹²; the tracker credits what its rate allows and at most its share cap, and the
+    honest peers' weights are those of a run without it."""
+
+    async def honest_weights(with_liar: bool) -> tuple[dict[str, int], int | None]:
+        run_id = await new_run(client, target=100, gather_s=0.3)
+        a, b, liar = await joined(client, run_id, 3)
+        for v in (a, b):
+            await v.heartbeat(0, 0)  # taking part, nothing computed yet
+        liar_weight = None
+        if with_liar:
+            # a modest rate: 10⁹ samples are not what it could have computed since it said so
+            await liar.heartbeat(0, 0, samples_per_s=1.0)
+            await liar.heartbeat(0, 10**9, samples_per_s=1.0)
+            status = await client.status(run_id)
+            assert not status.recent_steps and status.samples <= 2 * 8 + 1
+            # a rate as large as the lie: credited, but only up to half the step (others take part)
+            reply = await liar.heartbeat(0, 10**9, samples_per_s=1e12)
+            assert not reply.step_closed and reply.samples == 50
+        else:
+            await liar.leave()
+        # each honest peer computed its 30 and is done with the step (it closes when nobody computes)
+        await a.heartbeat(0, 30, computing=False)
+        assert (await b.heartbeat(0, 30, computing=False)).step_closed
+        callers = [a.ready(0, 30), b.ready(0, 30)]
+        if with_liar:
+            callers.append(liar.ready(0, 10**12))
+        replies = await asyncio.gather(*callers)
+        members = {m.peer_id: m.weight for m in replies[0].assignment.members}
+        if with_liar:
+            liar_weight = members.pop(liar.peer_id)
+        names = {a.peer_id: "a", b.peer_id: "b"}
+        return {names[p]: w for p, w in members.items()}, liar_weight
+
+    alone, _ = await honest_weights(with_liar=False)
+    beside, liar_weight = await honest_weights(with_liar=True)
+    assert alone == beside == {"a": 30, "b": 30}  # their own samples, as without the liar
+    assert liar_weight == 50  # never the 10¹² it asked for: half the target while others take part
+
+
+async def test_a_ready_weight_above_what_the_peer_reported_is_credited_only_as_its_rate_allows(client):
+    run_id = await new_run(client, target=20, gather_s=0.3)
+    honest, liar = await joined(client, run_id, 2)
+    await liar.heartbeat(0, 0, samples_per_s=1.0)
+    await liar.heartbeat(0, 1, samples_per_s=1.0)  # reports one sample at one a second...
+    await honest.heartbeat(0, 10)
+    assert (await honest.heartbeat(0, 10, computing=False)).samples == 11
+    # ...then asks to weigh 10¹² (its credited weight also counts toward closing the step)
+    replies = await asyncio.gather(honest.ready(0, 10), liar.ready(0, 10**12))
+    weights = {m.peer_id: m.weight for m in replies[0].assignment.members}
+    assert weights[honest.peer_id] == 10
+    # one sample plus what a rate of 1/s allows in the seconds since (×4 slack) plus two micro-batches
+    assert 1 <= weights[liar.peer_id] <= 1 + 2 * 8 + 4 * 5

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import secrets
 import time
@@ -58,11 +59,16 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.store import Store
 
+log = logging.getLogger("crowdtrain.tracker")
+
 # A state is listed when MIN_BACKERS peers serve the same one (when that many serve any), and a peer whose
 # declarations were refused DONOR_STRIKES times is no donor any more.
 MIN_BACKERS = 2
 DONOR_STRIKES = 3
-KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+KEEP_FORMED_STEPS = 8
+# A peer's samples may grow by SAMPLES_SLACK × its rate × the seconds since it was last credited (plus two
+# micro-batches): room for a rate that rose since it reported it, never for a number out of thin air.
+SAMPLES_SLACK = 4.0  # assignments of this many past steps are kept to answer late ready calls
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
     "so no averaging group can be formed: the step waits and every volunteer keeps its gradients; one "
@@ -92,7 +98,9 @@ class Peer:
     chunks_held: int = 0
     loss: float | None = None
     compute_share: float | None = None  # as its last heartbeat said
+    capped: bool = False  # the tracker credited it less than it claimed once (logged once)
     last_seen: float = 0.0  # monotonic
+    counted_at: float = 0.0  # monotonic time its samples were last credited (see RunState.credit)
     states: tuple[StateVersion, ...] = ()  # the snapshots it declared it serves, newest first
     refused_states: int = 0  # its state declarations the tracker refused
     donor_dropped: bool = False  # refused DONOR_STRIKES times: never listed as a donor again
@@ -129,6 +137,7 @@ class RunState:
         # samples the peers at this step hold or were allotted: Σ max(allotted, samples); never above target
         self.reserved = 0
         self.computing = 0  # peers at this step still computing for it (a peer done with it says so)
+        self.present = 0  # peers at this step computing for it or holding samples of it
         self.ready: dict[str, int] = {}
         self.ahead: dict[str, int] = {}  # ready peers' samples already computed for the next step (delay 1)
         self.pending: set[str] = set()
@@ -137,12 +146,23 @@ class RunState:
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
         self.stopping = False
+        self.closed: str | None = None  # closed by its admin: the sentence every further request gets
+        self.closed_at_time: float | None = None
         self.on_formed: list[Callable[[StepRecord, list[int]], None]] = []  # e.g. metrics
 
     def stop(self) -> None:
         """The tracker is shutting down: answer every waiting ready call with "wait" now."""
         self.stopping = True
         self.changed.set()
+
+    def close(self, when: float) -> None:
+        """Its admin closed the run: it takes no more steps; every volunteer request is answered 410 with
+        :attr:`closed` (volunteers leave on it), reading its status, spec and history still works."""
+        if self.closed is None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+            self.closed = f"run {self.run_id} was closed by its admin at {stamp}; it takes no more steps"
+            self.closed_at_time = when
+        self.stop()
 
     # ------------------------------------------------------------ aggregates
 
@@ -164,9 +184,58 @@ class RunState:
             self.unrated += sign * (r <= 0)
         if at_step:
             self.computing += sign * peer.computing
+            self.present += sign * (peer.computing or peer.samples > 0)
             self.step_samples += sign * peer.samples
             self.step_contributors += sign * (peer.samples > 0)
             self.reserved += sign * max(peer.allotted, peer.samples)
+
+    def share_cap(self, others: bool) -> int:
+        """The most samples one peer is credited for a step while ``others`` (another peer computes for the
+        step or holds samples of it): ``max_peer_share`` of the target, so that no peer closes a step alone
+        or outweighs the rest of a step when others take part."""
+        if not others:
+            return self.target
+        return max(1, math.ceil(self.spec.averaging.max_peer_share * self.target))
+
+    def _credit(self, peer: Peer, step: int, claimed: int, now: float) -> int:
+        """What the tracker credits ``peer`` of the ``claimed`` samples for ``step``: no more than it could
+        have computed since it was last credited (SAMPLES_SLACK × its rate × the seconds elapsed, plus two
+        micro-batches, over what it held), and no more than its share cap of a step. The peer is not
+        accounted while this runs."""
+        held = peer.samples if peer.step == step else 0
+        elapsed = max(0.0, now - peer.counted_at)
+        growth = SAMPLES_SLACK * peer.samples_per_s * elapsed + 2 * self.spec.micro_batch_size
+        plausible = held + math.ceil(min(growth, float(self.target)))
+        cap = self.share_cap(others=step == self.global_step and self.present > 0)
+        credited = min(claimed, plausible, max(cap, held))
+        if credited < claimed and not peer.capped:
+            peer.capped = True
+            log.info(
+                "run %s: peer %s claimed %d samples of step %d; credited %d (rate %.3g/s, share cap %d)",
+                self.run_id,
+                peer.peer_id,
+                claimed,
+                step,
+                credited,
+                peer.samples_per_s,
+                cap,
+            )
+        return credited
+
+    def _credit_ready(self, peer_id: str, step: int, weight: int, ahead: int) -> tuple[int, int]:
+        """The weight and computed-ahead samples credited to a ready call: the weight as a heartbeat's
+        samples would be (it counts for the step's samples too), the samples ahead no more than the weight
+        (a peer computes ahead at most half its allotment) or the share cap."""
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return 0, 0
+        now = time.monotonic()
+        if weight != peer.samples or peer.step != step:
+            self._unaccount(peer)
+            weight = self._credit(peer, step, weight, now)
+            peer.step, peer.samples, peer.counted_at = step, weight, now
+            self._account(peer)
+        return weight, min(ahead, max(weight, 2 * self.spec.micro_batch_size), self.share_cap(others=True))
 
     def _allot(self, peer: Peer) -> int:
         """How many samples ``peer`` may accumulate for this step (it is not accounted while this runs).
@@ -190,12 +259,13 @@ class RunState:
         more = max(fair - peer.samples, 0)
         if peer.samples >= peer.allotted:  # at its allotment: a share of what is still free
             more = max(more, math.ceil(free * share))
-        return peer.samples + min(free, max(more, peer.allotted - peer.samples, 0))
+        allotted = peer.samples + min(free, max(more, peer.allotted - peer.samples, 0))
+        return max(peer.samples, min(allotted, self.share_cap(others=self.present > 0)))
 
     def _recount(self) -> None:
         self.step_samples = self.step_contributors = 0
         self.rate_sum = self.idle_rate = 0.0
-        self.reserved = self.computing = 0
+        self.reserved = self.computing = self.present = 0
         self.rated = self.unrated = 0
         for peer in self.peers.values():
             self._account(peer)
@@ -206,7 +276,7 @@ class RunState:
         old = self.peers.get(peer.peer_id)
         if old is not None:
             self._unaccount(old)
-        peer.last_seen = time.monotonic()
+        peer.last_seen = peer.counted_at = time.monotonic()
         self.peers[peer.peer_id] = peer
         self._account(peer)
 
@@ -232,8 +302,12 @@ class RunState:
 
     def heartbeat(self, peer: Peer, hb: Heartbeat) -> None:
         self._unaccount(peer)
+        now = time.monotonic()
+        peer.samples_per_s = max(peer.samples_per_s, hb.samples_per_s)  # the growth allowed since last time
+        credited = self._credit(peer, hb.step, hb.samples, now)
         peer.step = hb.step
-        peer.samples = hb.samples
+        peer.samples = credited
+        peer.counted_at = now
         peer.samples_per_s = hb.samples_per_s
         peer.chunks_held = hb.chunks_held
         peer.loss = hb.loss
@@ -329,6 +403,8 @@ class RunState:
         self.form(now)
 
     def tick(self, now: float) -> None:
+        if self.closed is not None:  # closed by its admin: no step closes or forms any more
+            return
         self.maybe_close(now)
         self.maybe_form(now)
 
@@ -482,6 +558,7 @@ class RunState:
                     )
                 return ReadyReply(status="missed", global_step=self.global_step)
             if step == self.global_step:
+                weight, ahead = self._credit_ready(peer_id, step, weight, ahead)
                 self.ready[peer_id] = weight
                 self.ahead[peer_id] = ahead
                 self.pending.discard(peer_id)

@@ -155,7 +155,7 @@ class SimVolunteer:
         return self.joined
 
     async def heartbeat(
-        self, step: int, samples: int, samples_per_s: float = 10.0, *, computing: bool = True
+        self, step: int, samples: int, samples_per_s: float = 1e6, *, computing: bool = True
     ) -> HeartbeatReply:
         assert self.joined is not None, "join first"
         hb = Heartbeat(

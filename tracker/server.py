@@ -152,11 +152,16 @@ class Tracker:
         self.runs: dict[str, RunState] = {}
         self.torrents: dict[str, bytes] = {}
         self.join_tokens: dict[str, str | None] = {}
+        self.deleted: set[str] = set()  # runs deleted since this tracker started (answered 410, not 404)
         self.registered: set[bytes] = {bytes.fromhex(h) for h in self.store.datasets()}
         self.swarms = Swarms(config.max_swarm_peers)
         for stored in self.store.runs():
             # Peers of a run in progress re-register with their next heartbeat: give them three intervals.
-            self._add_run_state(stored.spec, stored.global_step, quiet_s=3 * config.heartbeat_interval_s)
+            run = self._add_run_state(
+                stored.spec, stored.global_step, quiet_s=3 * config.heartbeat_interval_s
+            )
+            if stored.closed_at is not None:
+                run.close(stored.closed_at)
             self.torrents[stored.spec.run_id] = stored.torrent
             self.join_tokens[stored.spec.run_id] = stored.join_token_hash
         self.metrics.bind(self)
@@ -195,6 +200,8 @@ class Tracker:
         r.add_post("/api/v1/runs/{run_id}/leave", self.leave)
         r.add_post("/api/v1/runs/{run_id}/state", self.declare_state)
         r.add_get("/api/v1/runs/{run_id}/state/donors", self.donors)
+        r.add_post("/api/v1/runs/{run_id}/close", self.close_run)
+        r.add_delete("/api/v1/runs/{run_id}", self.delete_run)
         return app
 
     async def start(self) -> None:
@@ -236,7 +243,7 @@ class Tracker:
                     await self._stop.wait()
             now = time.time()
             expire = time.monotonic() - last_expiry >= min(1.0, self.config.peer_ttl_s / 4)
-            for run in self.runs.values():
+            for run in list(self.runs.values()):
                 try:
                     if expire:
                         run.expire(self.config.peer_ttl_s)
@@ -295,6 +302,8 @@ class Tracker:
     def _run(self, request: web.Request) -> RunState:
         run_id = request.match_info["run_id"]
         run = self.runs.get(run_id) if RUN_ID.match(run_id) else None
+        if run is None and run_id in self.deleted:
+            raise ApiError(410, f"run {run_id} was deleted by its admin; it takes no more steps")
         if run is None:
             raise ApiError(
                 404, f"there is no run {run_id[:80]!r} on this tracker; list runs with GET /api/v1/runs"
@@ -304,6 +313,8 @@ class Tracker:
     async def _signed(self, request: web.Request, kind: type[Any]) -> tuple[RunState, Any, str]:
         """A volunteer's request: run, decoded body, the credential's peer id (checked against the body)."""
         run = self._run(request)
+        if run.closed is not None and kind is not LeaveRequest:  # (leaving a closed run is fine)
+            raise ApiError(410, run.closed)
         body = await self._body(request)
         credential = self.auth.check(
             request.headers, run.run_id, request.path, hashlib.sha256(body).hexdigest()
@@ -466,6 +477,7 @@ class Tracker:
                         global_step=r.global_step,
                         peers_online=len(r.peers),
                         created_at=r.spec.created_at,
+                        closed_at=r.closed_at_time,
                     )
                     for r in self.runs.values()
                 ]
@@ -506,7 +518,8 @@ class Tracker:
                 samples_per_s=run.rate_sum,
                 peers=run.peer_statuses(),
                 recent_steps=self.store.history(run.run_id),
-                notice=run.notice,
+                notice=run.closed or run.notice,
+                closed_at=run.closed_at_time,
             )
         )
 
@@ -523,6 +536,8 @@ class Tracker:
 
     async def join(self, request: web.Request) -> web.Response:
         run = self._run(request)
+        if run.closed is not None:
+            raise ApiError(410, run.closed)
         if not self.join_limit.allow(request.remote or ""):
             raise ApiError(429, "too many joins from your address; wait a few seconds and try again")
         msg = decode(await self._body(request), JoinRequest, self.limits)
@@ -662,6 +677,31 @@ class Tracker:
         except StateRefused as exc:
             raise ApiError(403 if peer.donor_dropped else 400, f"state declaration refused: {exc}") from None
         peer.last_seen = time.monotonic()
+        return web.Response(status=204)
+
+    async def close_run(self, request: web.Request) -> web.Response:
+        """Admin: the run takes no more steps; its volunteers are answered 410 and leave. Idempotent."""
+        check_admin(request.headers, self.admin_token)
+        run = self._run(request)
+        if run.closed is None:
+            now = time.time()
+            self.store.close_run(run.run_id, now)
+            run.close(now)
+            log.info("run %s closed by the admin", run.run_id)
+        return web.Response(status=204)
+
+    async def delete_run(self, request: web.Request) -> web.Response:
+        """Admin: the run and its history are deleted; its volunteers are answered 410 (while this tracker
+        runs) and leave."""
+        check_admin(request.headers, self.admin_token)
+        run = self._run(request)
+        run.close(time.time())
+        self.store.delete_run(run.run_id)
+        del self.runs[run.run_id]
+        self.torrents.pop(run.run_id, None)
+        self.join_tokens.pop(run.run_id, None)
+        self.deleted.add(run.run_id)
+        log.info("run %s deleted by the admin", run.run_id)
         return web.Response(status=204)
 
     async def donors(self, request: web.Request) -> web.Response:

@@ -21,7 +21,7 @@ CREATE TABLE IF NOT EXISTS datasets (
     infohash TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, spec BLOB NOT NULL, torrent BLOB NOT NULL, join_token_hash TEXT,
-    global_step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL);
+    global_step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, closed_at REAL);
 CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
@@ -35,6 +35,7 @@ class StoredRun:
     torrent: bytes
     join_token_hash: str | None
     global_step: int
+    closed_at: float | None = None  # when its admin closed it: it takes no more steps
 
 
 class Store:
@@ -46,6 +47,9 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
+        if "closed_at" not in columns:  # a database of an earlier version
+            self._db.execute("ALTER TABLE runs ADD COLUMN closed_at REAL")
 
     def close(self) -> None:
         self._db.close()
@@ -94,12 +98,24 @@ class Store:
 
     def runs(self) -> list[StoredRun]:
         rows = self._db.execute(
-            "SELECT spec, torrent, join_token_hash, global_step FROM runs ORDER BY created_at"
+            "SELECT spec, torrent, join_token_hash, global_step, closed_at FROM runs ORDER BY created_at"
         ).fetchall()
         return [
-            StoredRun(decode(bytes(spec), RunSpec), bytes(torrent), token, step)
-            for spec, torrent, token, step in rows
+            StoredRun(decode(bytes(spec), RunSpec), bytes(torrent), token, step, closed)
+            for spec, torrent, token, step, closed in rows
         ]
+
+    def close_run(self, run_id: str, when: float) -> None:
+        self._db.execute(
+            "UPDATE runs SET closed_at = ? WHERE run_id = ? AND closed_at IS NULL", (when, run_id)
+        )
+
+    def delete_run(self, run_id: str) -> None:
+        """The run and its step history go (its data set stays registered: other runs may use it)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM steps WHERE run_id = ?", (run_id,))
+            self._db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
 
     def close_step(self, run_id: str, record: StepRecord) -> None:
         """Record a closed step and advance the run's global step past it, atomically."""

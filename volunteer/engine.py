@@ -182,6 +182,7 @@ class Summary:
     caught_up_to: int | None = None
     # share of its wall time since its first micro-batch spent computing gradients that entered an average
     compute_share: float | None = None
+    ended: str | None = None  # the tracker's sentence when the run was closed or deleted under it
 
 
 def resolve_device(requested: str) -> str:
@@ -457,7 +458,7 @@ class Volunteer:
                     self.state_server.close()
                 self.summary.last_step = self.step
                 self.summary.compute_share = self._compute_share()
-                self.emit(ev.Left(reason=reason))
+                self.emit(ev.Left(reason="run closed" if self.summary.ended else reason))
         return self.summary
 
     def _declared_address(self, port: int) -> str | None:
@@ -630,6 +631,11 @@ class Volunteer:
                     self._note(logging.INFO, "tracker answers again after %d failed heartbeats", failures)
                 failures = 0
             except TrackerError as exc:
+                if exc.status == 410:  # the run was closed or deleted by its admin: nothing more to do
+                    self.summary.ended = str(exc)
+                    self._note(logging.WARNING, "%s; leaving", exc)
+                    self._stop.set()
+                    return
                 failures += 1
                 if failures in (1, 10) or failures % 60 == 0:
                     self._note(
@@ -1020,6 +1026,10 @@ class Volunteer:
                     self.credential,
                 )
             except TrackerError as exc:
+                if exc.status == 410:  # closed under it: the heartbeats say so and stop the engine
+                    self.summary.ended = str(exc)
+                    self._stop.set()
+                    return None
                 self._note(logging.WARNING, "could not ask the tracker for a group (%s); training on", exc)
                 return None
             if reply.status in ("group", "missed", "open"):

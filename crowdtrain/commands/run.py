@@ -70,3 +70,50 @@ def create(
 
     created = run_async(send())
     typer.echo(encode(created).decode() if wants_json(ctx, json_out) else created.run_id)
+
+
+def _admin_call(tracker: str, admin_token: str | None, timeout: float, call) -> None:
+    from crowdtrain.protocol.client import TrackerClient
+
+    if not admin_token:
+        raise ConfigError("--admin-token", "is required (the token `crowdtrain tracker serve` printed)")
+
+    async def send():
+        async with TrackerClient(tracker, timeout_s=timeout, admin_token=admin_token) as client:
+            await call(client)
+
+    run_async(send())
+
+
+TRACKER = typer.Option(..., "--tracker", help="Tracker URL, e.g. http://127.0.0.1:8470.")
+ADMIN_TOKEN = typer.Option(
+    None, "--admin-token", envvar="CROWDTRAIN_ADMIN_TOKEN", help="The tracker's admin token."
+)
+TIMEOUT = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker.")
+
+
+@app.command("close")
+def close(
+    run_id: str = typer.Argument(..., help="The run to close."),
+    tracker: str = TRACKER,
+    admin_token: str | None = ADMIN_TOKEN,
+    timeout: float = TIMEOUT,
+) -> None:
+    """Close RUN_ID: no more steps or joins; its volunteers are told and leave (its history stays)."""
+    _admin_call(tracker, admin_token, timeout, lambda client: client.close_run(run_id))
+    typer.echo(f"run {run_id} closed")
+
+
+@app.command("delete")
+def delete(
+    run_id: str = typer.Argument(..., help="The run to delete."),
+    tracker: str = TRACKER,
+    admin_token: str | None = ADMIN_TOKEN,
+    timeout: float = TIMEOUT,
+    yes: bool = typer.Option(False, "--yes", help="Do not ask for confirmation."),
+) -> None:
+    """Delete RUN_ID and its step history from the tracker; its volunteers are told and leave."""
+    if not yes:
+        typer.confirm(f"Delete run {run_id} and its step history from {tracker}?", abort=True)
+    _admin_call(tracker, admin_token, timeout, lambda client: client.delete_run(run_id))
+    typer.echo(f"run {run_id} deleted")
