@@ -13,6 +13,7 @@ read by a thread per process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,7 +65,11 @@ class Cli:
     def __init__(self, host: Host, home: Path, *args: str) -> None:
         home.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
-        env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
+        # PYTHONFAULTHANDLER: a process that does not exit in time is sent SIGABRT and prints every thread's
+        # stack, so the failure says where it hung
+        env.update(
+            HOME=str(home), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200", PYTHONFAULTHANDLER="1"
+        )
         self.args = args
         self.lines: list[str] = []
         self.events: list[dict] = []
@@ -116,8 +121,12 @@ class Cli:
         try:
             code = self.proc.wait(timeout=within_s)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # its stacks, then it is gone
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+            self._reader.join(5)
             raise AssertionError(
-                f"{' '.join(self.args[:2])} did not exit within {within_s} s:\n{self.tail()}"
+                f"{' '.join(self.args[:2])} did not exit within {within_s} s:\n{self.tail(120)}"
             ) from None
         self._reader.join(10)
         return code
