@@ -21,6 +21,7 @@ from crowdtrain.datasets.chunks import MANIFEST_NAME
 from crowdtrain.protocol.errors import ConfigError, DatasetError, ProtocolError
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import DatasetManifest, decode
+from crowdtrain.protocol.runcheck import check_manifest, check_text
 
 MIN_PIECE = 16 << 10
 
@@ -146,9 +147,15 @@ def read_manifest(path: Path) -> DatasetManifest:
     if data is None:
         raise DatasetError(f"{path} is larger than 1 MiB; it is not a crowdtrain manifest.")
     try:
-        return decode(data, DatasetManifest)
+        manifest = decode(data, DatasetManifest)
     except ProtocolError as exc:
         raise DatasetError(f"{path} is not a valid data set manifest: {exc}.") from None
+    try:  # every field, as the tracker and a volunteer check it
+        check_text("name", manifest.name)
+        check_manifest(manifest, "manifest")
+    except ConfigError as exc:
+        raise DatasetError(f"{path} is not a valid data set manifest: {exc}.") from None
+    return manifest
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sysconfig
 from pathlib import Path
@@ -163,6 +164,26 @@ def test_garbage_torrents_are_clear_errors(tmp_path, garbage):
 def test_info_on_folder_without_manifest(tmp_path):
     with pytest.raises(DatasetError, match=r"has no manifest\.json"):
         read_dataset_info(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("samples", -5, "manifest.chunks[0].samples"),
+        ("name", "../../evil.npy", "manifest.chunks[0].name"),
+        ("sha256", "nothex", "manifest.chunks[0].sha256"),
+    ],
+)
+def test_info_checks_every_manifest_field_as_a_volunteer_would(tmp_path, field, value, named):
+    """Issue 16: `dataset info` accepted a manifest with ``samples = -5``; it checks what the tracker and a
+    volunteer check (protocol/runcheck.py) and names the field."""
+    make_dataset("builtin:stdlib", tmp_path / "ds", chunk_bytes=64 * KiB, max_bytes=128 * KiB)
+    path = tmp_path / "ds" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["chunks"][0][field] = value
+    path.write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match=re.escape(named)):
+        read_dataset_info(tmp_path / "ds")
 
 
 # ------------------------------------------------------------------ the command line
