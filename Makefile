@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-fast lint bench reliability clean
+.PHONY: demo test test-fast lint bench reliability clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,19 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 demo: $(VENV)/.installed
 	$(VENV)/bin/crowdtrain demo
 
-test: $(VENV)/.installed
+# The web page's tests read it in a real headless Chromium (Debian's package), installed here when this
+# runs as root; elsewhere those tests fail with the command to install it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (for the web page's tests)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+	    { apt-get update -q >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } || \
+	    echo "could not install chromium; the web page's tests will fail"; \
+	  else echo "no chromium: the web page's tests will fail (apt-get install -y chromium)"; fi; }
+
+test: $(VENV)/.installed browser
 	$(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed

@@ -384,6 +384,14 @@ class StepRecord(Message, kw_only=True):
     peers: int
     groups: int
     seed: int
+    loss: float | None = None  # the averaged peers' training loss, weighted by their samples
+
+
+class StepHistory(Message, kw_only=True):
+    """``GET /api/v1/runs/{id}/history``: the newest closed steps, oldest first (for curves)."""
+
+    version: Version = VERSION
+    steps: list[StepRecord]
 
 
 class RunStatus(Message, kw_only=True):

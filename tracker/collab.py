@@ -402,6 +402,13 @@ class RunState:
             return
         self.form(now)
 
+    def _mean_loss(self, candidates: list[Candidate]) -> float | None:
+        """The averaged peers' last reported training loss, weighted by their samples in the step."""
+        pairs = [(c.weight, self.peers[c.peer_id].loss) for c in candidates if c.weight > 0]
+        pairs = [(w, loss) for w, loss in pairs if loss is not None]
+        total = sum(w for w, _ in pairs)
+        return sum(w * loss for w, loss in pairs) / total if total else None
+
     def tick(self, now: float) -> None:
         if self.closed is not None:  # closed by its admin: no step closes or forms any more
             return
@@ -465,6 +472,7 @@ class RunState:
             peers=len(candidates),
             groups=len(groups),
             seed=seed,
+            loss=self._mean_loss(candidates),
         )
         self.store.close_step(self.run_id, record)
         self.formed[step] = assignments

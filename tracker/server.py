@@ -61,6 +61,7 @@ from crowdtrain.protocol.messages import (
     RunStatus,
     RunSummary,
     StateDeclare,
+    StepHistory,
     decode,
     encode,
 )
@@ -70,6 +71,7 @@ from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
 from crowdtrain.tracker.collab import Peer, RunState, StateRefused
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
+from crowdtrain.tracker.page import HISTORY_POINTS, index_html, run_html
 from crowdtrain.tracker.reach import AddressError, Checker, resolve_address
 from crowdtrain.tracker.store import Store
 from crowdtrain.tracker.swarm import Swarms
@@ -90,6 +92,20 @@ class ApiError(CrowdtrainError):
 
 def _json(msg: Message, status: int = 200) -> web.Response:
     return web.Response(body=encode(msg), status=status, content_type=JSON)
+
+
+def _html(page: str) -> web.Response:
+    return web.Response(
+        text=page,
+        content_type="text/html",
+        headers={
+            # inline style and script of its own, data from this origin only, no frames
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+            "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; frame-ancestors 'none'",
+            "X-Content-Type-Options": "nosniff",
+            "Cache-Control": "no-store",
+        },
+    )
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -200,6 +216,9 @@ class Tracker:
         r.add_post("/api/v1/runs/{run_id}/leave", self.leave)
         r.add_post("/api/v1/runs/{run_id}/state", self.declare_state)
         r.add_get("/api/v1/runs/{run_id}/state/donors", self.donors)
+        r.add_get("/", self.index_page)
+        r.add_get("/runs/{run_id}", self.run_page)
+        r.add_get("/api/v1/runs/{run_id}/history", self.get_history)
         r.add_post("/api/v1/runs/{run_id}/close", self.close_run)
         r.add_delete("/api/v1/runs/{run_id}", self.delete_run)
         return app
@@ -486,6 +505,53 @@ class Tracker:
 
     async def get_spec(self, request: web.Request) -> web.Response:
         return _json(self._run(request).spec)
+
+    async def get_history(self, request: web.Request) -> web.Response:
+        """The newest closed steps (``?limit=``, at most HISTORY_POINTS), oldest first: the page's curves."""
+        run = self._run(request)
+        limit = _query_number(request, "limit", int, 1, HISTORY_POINTS, default=100)
+        return _json(StepHistory(steps=self.store.history(run.run_id, limit)[::-1]))
+
+    # ------------------------------------------------------------ web pages
+
+    async def index_page(self, request: web.Request) -> web.Response:
+        public = [
+            RunSummary(
+                run_id=r.run_id,
+                name=r.spec.name,
+                global_step=r.global_step,
+                peers_online=len(r.peers),
+                created_at=r.spec.created_at,
+                closed_at=r.closed_at_time,
+            )
+            for r in self.runs.values()
+            if r.spec.join_policy != "token"  # private runs are not listed
+        ]
+        return _html(index_html(public))
+
+    async def run_page(self, request: web.Request) -> web.Response:
+        """One run's live page. A private run's page needs its join token (``?token=``) or the admin token
+        (``?admin_token=`` or the Authorization header); the page itself never shows either."""
+        run = self._run(request)
+        if run.spec.join_policy == "token":
+            token = request.query.get("token", "")
+            token_hash = self.join_tokens.get(run.run_id)
+            admin = request.query.get("admin_token", "")
+            by_token = (
+                bool(token)
+                and token_hash is not None
+                and hmac.compare_digest(hashlib.sha256(token.encode()).hexdigest(), token_hash)
+            )
+            by_admin = bool(admin) and hmac.compare_digest(admin.encode(), self.admin_token.encode())
+            if not (by_token or by_admin):
+                try:
+                    check_admin(request.headers, self.admin_token)
+                except AdminAuthError:
+                    raise ApiError(
+                        403,
+                        f"run {run.run_id} is private: open /runs/{run.run_id}?token=<its join token>",
+                    ) from None
+        return _html(run_html(run.run_id, run.spec.name))
 
     async def get_torrent(self, request: web.Request) -> web.Response:
         run = self._run(request)

@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
-    PRIMARY KEY (run_id, step));
+    loss REAL, PRIMARY KEY (run_id, step));
 """
 
 
@@ -50,6 +50,8 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
         if "closed_at" not in columns:  # a database of an earlier version
             self._db.execute("ALTER TABLE runs ADD COLUMN closed_at REAL")
+        if "loss" not in {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}:
+            self._db.execute("ALTER TABLE steps ADD COLUMN loss REAL")
 
     def close(self) -> None:
         self._db.close()
@@ -122,8 +124,9 @@ class Store:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT OR REPLACE INTO steps (run_id, step, closed_at, duration_s, samples, peers, groups, seed)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO steps"
+                " (run_id, step, closed_at, duration_s, samples, peers, groups, seed, loss)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     record.step,
@@ -133,17 +136,18 @@ class Store:
                     record.peers,
                     record.groups,
                     record.seed,
+                    record.loss,
                 ),
             )
             self._db.execute("UPDATE runs SET global_step = ? WHERE run_id = ?", (record.step + 1, run_id))
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
         rows = self._db.execute(
-            "SELECT step, closed_at, duration_s, samples, peers, groups, seed FROM steps"
+            "SELECT step, closed_at, duration_s, samples, peers, groups, seed, loss FROM steps"
             " WHERE run_id = ? ORDER BY step DESC LIMIT ?",
             (run_id, limit),
         ).fetchall()
         return [
-            StepRecord(step=s, closed_at=c, duration_s=d, samples=n, peers=p, groups=g, seed=seed)
-            for s, c, d, n, p, g, seed in rows
+            StepRecord(step=s, closed_at=c, duration_s=d, samples=n, peers=p, groups=g, seed=seed, loss=loss)
+            for s, c, d, n, p, g, seed, loss in rows
         ]

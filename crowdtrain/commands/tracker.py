@@ -130,6 +130,7 @@ async def _serve(config) -> None:  # config: TrackerConfig
         async with serve(config) as tracker:
             for line in address_lines(config, tracker):
                 typer.echo(line)
+            typer.echo(f"runs on the web: {(config.public_url or tracker.url).rstrip('/')}/")
             typer.echo(f"admin token: {tracker.admin_token}")
             typer.echo(f"database: {config.db}")
             await stop.wait()
