@@ -408,6 +408,9 @@ class RunStatus(Message, kw_only=True):
     recent_steps: list[StepRecord]
     notice: str | None = None  # a run-wide problem, in one sentence (as in HeartbeatReply)
     closed_at: float | None = None  # its admin closed it: it takes no more steps
+    # the data set's BitTorrent swarm as this tracker's /announce sees it
+    swarm_seeds: int = 0
+    swarm_peers: int = 0
 
 
 class ErrorBody(Message, kw_only=True):

@@ -105,6 +105,10 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 shown = int(field(first, "step"))
                 assert shown >= step >= 3
                 assert peer_rows(first) == 3
+                # the seeder and the volunteers announce the data set to this tracker
+                assert re.fullmatch(r"\d+ peers, [1-9]\d* seeds", field(first, "swarm")), field(
+                    first, "swarm"
+                )
                 # one point a closed step (each has its peers' loss), at least as many as had closed
                 assert points(first, "loss-line") >= step, field(first, "loss-label")
                 assert "codec none" in first and field(first, "group-size") == "4"

@@ -70,6 +70,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
  <div class=card>ETA<b id=eta>–</b></div>
  <div class=card>peers online<b id=peers-online>–</b></div>
  <div class=card>samples/s<b id=rate>–</b></div>
+ <div class=card>data set swarm<b id=swarm>–</b></div>
 </div>
 <h2>Training loss by step</h2>
 <svg id=loss width=640 height=200 viewBox="0 0 640 200"><polyline id=loss-line fill=none stroke="#3b7ddd"
@@ -133,6 +134,7 @@ async function refresh() {
     text("eta", st.eta_s === null ? "–" : num(st.eta_s, 1) + " s");
     text("peers-online", String(st.peers_online));
     text("rate", num(st.samples_per_s, 1));
+    text("swarm", st.swarm_peers + " peers, " + st.swarm_seeds + " seeds");
     text("notice", st.notice || "");
     const peers = $("peers").tBodies[0]; peers.replaceChildren();
     for (const p of st.peers) {

@@ -572,6 +572,7 @@ class Tracker:
 
     async def get_status(self, request: web.Request) -> web.Response:
         run = self._run(request)
+        swarm = self.swarms.by_hash.get(bytes.fromhex(run.spec.dataset.infohash))
         return _json(
             RunStatus(
                 run_id=run.run_id,
@@ -586,6 +587,8 @@ class Tracker:
                 recent_steps=self.store.history(run.run_id),
                 notice=run.closed or run.notice,
                 closed_at=run.closed_at_time,
+                swarm_seeds=swarm.seeders if swarm else 0,
+                swarm_peers=len(swarm.peers) if swarm else 0,
             )
         )
 
