@@ -61,6 +61,12 @@ def check_text(field: str, value: str, longest: int = 200) -> None:
             )
 
 
+def printable(text: str) -> str:
+    """``text`` with every character :func:`check_text` refuses written as an escape (``\\x1b``,
+    ``\\u202e``): for showing a string a tracker of an earlier version stored unchecked."""
+    return "".join(ch if unicodedata.category(ch) not in _UNPRINTABLE else ascii(ch)[1:-1] for ch in text)
+
+
 def _int(field: str, value: int, low: int, high: int = MAX_INT) -> None:
     if not low <= value <= high:
         span = f"at least {low}" if high == MAX_INT else f"between {low} and {high}"

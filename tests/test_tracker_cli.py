@@ -205,3 +205,28 @@ async def test_run_create_computes_the_param_hash_when_the_spec_omits_it(tracker
     assert out.returncode == 0, out.stderr
     created = decode(out.stdout.strip(), RunCreated)
     assert created.spec.model.param_hash == param_hash(recipe.build({}))
+
+
+def test_status_escapes_control_characters_a_tracker_of_an_earlier_version_stored():
+    """Issue 16: names are checked at creation now, but a run stored before that may hold NUL, CR/LF, ESC
+    or U+202E; `crowdtrain status` prints them as escapes, never raw (no forged lines, no cursor moves)."""
+    from crowdtrain.commands.status import format_status
+    from crowdtrain.protocol.messages import RunStatus
+
+    status = RunStatus(
+        run_id="r-1",
+        name="evil\x00\r\n  global step   999\x1b[2J\u202eexe",
+        global_step=1,
+        samples=0,
+        target=8,
+        eta_s=None,
+        peers_online=0,
+        samples_per_s=0.0,
+        peers=[],
+        recent_steps=[],
+        notice="bad\rnotice",
+    )
+    text = format_status(status)
+    assert "\\x00\\r\\n  global step   999\\x1b[2J\\u202eexe" in text and "bad\\rnotice" in text
+    assert not any(ch in text for ch in "\x00\r\x1b\u202e")
+    assert [line for line in text.splitlines() if line.startswith("  global step")] == ["  global step   1"]

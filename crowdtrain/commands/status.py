@@ -7,6 +7,7 @@ import time
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
+from crowdtrain.protocol.runcheck import printable
 from crowdtrain.volunteer.view.fmt import fmt_percent
 
 
@@ -28,7 +29,7 @@ def _bt(p) -> str:
 
 def format_status(status) -> str:  # status: RunStatus
     lines = [
-        f"run {status.run_id} ({status.name})",
+        f"run {status.run_id} ({printable(status.name)})",
         f"  global step   {status.global_step}",
         f"  samples       {status.samples:,} / {status.target:,} ({100 * status.samples / max(status.target, 1):.0f} %)",
         f"  eta           {'-' if status.eta_s is None else f'{status.eta_s:.1f} s'}",
@@ -36,7 +37,7 @@ def format_status(status) -> str:  # status: RunStatus
         f"  throughput    {_rate(status.samples_per_s)} samples",
     ]
     if status.notice:
-        lines.append(f"  notice        {status.notice}")
+        lines.append(f"  notice        {printable(status.notice)}")
     if status.peers:
         lines.append("  peers:")
         lines.append(
@@ -51,12 +52,13 @@ def format_status(status) -> str:  # status: RunStatus
     if status.recent_steps:
         lines.append("  recent steps:")
         lines.append(
-            f"    {'step':>6} {'duration':>9} {'samples':>9} {'peers':>6} {'groups':>6} {'closed':>10}"
+            f"    {'step':>6} {'duration':>9} {'samples':>9} {'peers':>6} {'groups':>6} {'loss':>7} {'closed':>10}"
         )
         for s in status.recent_steps:
             ago = max(0.0, time.time() - s.closed_at)
             lines.append(
-                f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6} {ago:>7.0f} s ago"
+                f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6}"
+                f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
             )
     return "\n".join(lines)
 
