@@ -194,13 +194,16 @@ def stale_headers(key: SigningKey, cred: Credential, purpose: str, *fields: str 
 Attack = Callable[[World], Awaitable[tuple[int, str]]]
 
 
-def admin_route(path: str, body: Callable[[World], bytes]) -> dict[str, tuple[int, Attack]]:
+def admin_route(
+    path: str | Callable[[World], str], body: Callable[[World], bytes], method: str = "POST"
+) -> dict[str, tuple[int, Attack]]:
     def with_auth(value: str | None) -> Attack:
         async def attack(w: World) -> tuple[int, str]:
             headers = {"Content-Type": "application/json"}
             if value is not None:
                 headers["Authorization"] = value
-            return await call(w, "POST", w.tracker.url + path, headers, body(w))
+            where = path(w) if callable(path) else path
+            return await call(w, method, w.tracker.url + where, headers, body(w))
 
         return attack
 
@@ -214,6 +217,10 @@ def admin_route(path: str, body: Callable[[World], bytes]) -> dict[str, tuple[in
 
 def run_create_body(w: World) -> bytes:
     return encode(make_run_create("created by the attacker"))
+
+
+def no_body(w: World) -> bytes:
+    return b""
 
 
 def dataset_body(w: World) -> bytes:
@@ -344,11 +351,21 @@ TRACKER_PUBLIC = {
         "/api/v1/runs/{run_id}/step",
     ): "a long-poll for a step's close: the global step and one flag, public",
     ("GET", "/api/v1/runs/{run_id}/state/donors"): "donor addresses; every state request is signed anyway",
+    ("GET", "/api/v1/runs/{run_id}/history"): "the closed steps' samples and loss, drawn by the run's page",
+    ("GET", "/"): "the public runs' list (private runs are not on it)",
+    (
+        "GET",
+        "/runs/{run_id}",
+    ): "a public run's page; a private run's needs its token (test_web_page.py checks the refusal)",
 }
 
 TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
     ("POST", "/api/v1/datasets"): admin_route("/api/v1/datasets", dataset_body),
     ("POST", "/api/v1/runs"): admin_route("/api/v1/runs", run_create_body),
+    ("POST", "/api/v1/runs/{run_id}/close"): admin_route(lambda w: f"/api/v1/runs/{w.public}/close", no_body),
+    ("DELETE", "/api/v1/runs/{run_id}"): admin_route(
+        lambda w: f"/api/v1/runs/{w.public}", no_body, method="DELETE"
+    ),
     ("POST", "/api/v1/runs/{run_id}/join"): {
         "private run without a join token": (401, join_private(None)),
         "private run with a wrong join token": (403, join_private("not-the-token-0123456789")),

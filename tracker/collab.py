@@ -100,7 +100,9 @@ class Peer:
     compute_share: float | None = None  # as its last heartbeat said
     capped: bool = False  # the tracker credited it less than it claimed once (logged once)
     last_seen: float = 0.0  # monotonic
-    counted_at: float = 0.0  # monotonic time its samples were last credited (see RunState.credit)
+    counted_at: float = 0.0  # monotonic time its samples were last credited (see RunState._credit)
+    step_since: float = 0.0  # monotonic time its current step began for it, as far as the tracker knows
+    step_base: int = 0  # the samples it held for the step then (computed ahead, with delay 1)
     states: tuple[StateVersion, ...] = ()  # the snapshots it declared it serves, newest first
     refused_states: int = 0  # its state declarations the tracker refused
     donor_dropped: bool = False  # refused DONOR_STRIKES times: never listed as a donor again
@@ -197,17 +199,24 @@ class RunState:
             return self.target
         return max(1, math.ceil(self.spec.averaging.max_peer_share * self.target))
 
-    def _credit(self, peer: Peer, step: int, claimed: int, now: float) -> int:
-        """What the tracker credits ``peer`` of the ``claimed`` samples for ``step``: no more than it could
-        have computed since it was last credited (SAMPLES_SLACK × its rate × the seconds elapsed, plus two
-        micro-batches, over what it held), and no more than its share cap of a step. The peer is not
-        accounted while this runs."""
-        held = peer.samples if peer.step == step else 0
-        elapsed = max(0.0, now - peer.counted_at)
+    def _credit(self, peer: Peer, step: int, claimed: int, now: float) -> None:
+        """Credit ``peer`` with what is plausible of the ``claimed`` samples for ``step`` (and move it to
+        that step): no more than it could have computed since the step began for it (SAMPLES_SLACK × its
+        rate × the seconds since, plus two micro-batches, over what it held then), and no more than its
+        share cap of a step; what the tracker allotted it for the step is always credited (an honest peer
+        stops there). The peer is not accounted while this runs."""
+        if peer.step == step:
+            held, base, since = peer.samples, peer.step_base, peer.step_since
+        else:  # a step new to it: begun at the latest when it last reported
+            held, base, since = 0, 0, peer.counted_at
+        elapsed = max(0.0, now - since)
         growth = SAMPLES_SLACK * peer.samples_per_s * elapsed + 2 * self.spec.micro_batch_size
-        plausible = held + math.ceil(min(growth, float(self.target)))
+        plausible = max(held, base + math.ceil(min(growth, float(self.target))))
         cap = self.share_cap(others=step == self.global_step and self.present > 0)
-        credited = min(claimed, plausible, max(cap, held))
+        # what the tracker allotted it for this step stands (e.g. all of it while it was alone), so a
+        # peer that kept to its allotment is never cut back when others arrive
+        granted = peer.allotted if peer.step == step else 0
+        credited = min(claimed, max(plausible, granted), max(cap, held, granted))
         if credited < claimed and not peer.capped:
             peer.capped = True
             log.info(
@@ -220,7 +229,8 @@ class RunState:
                 peer.samples_per_s,
                 cap,
             )
-        return credited
+        peer.step, peer.samples, peer.step_base, peer.step_since = step, credited, base, since
+        peer.counted_at = now
 
     def _credit_ready(self, peer_id: str, step: int, weight: int, ahead: int) -> tuple[int, int]:
         """The weight and computed-ahead samples credited to a ready call: the weight as a heartbeat's
@@ -232,8 +242,8 @@ class RunState:
         now = time.monotonic()
         if weight != peer.samples or peer.step != step:
             self._unaccount(peer)
-            weight = self._credit(peer, step, weight, now)
-            peer.step, peer.samples, peer.counted_at = step, weight, now
+            self._credit(peer, step, weight, now)
+            weight = peer.samples
             self._account(peer)
         return weight, min(ahead, max(weight, 2 * self.spec.micro_batch_size), self.share_cap(others=True))
 
@@ -304,10 +314,7 @@ class RunState:
         self._unaccount(peer)
         now = time.monotonic()
         peer.samples_per_s = max(peer.samples_per_s, hb.samples_per_s)  # the growth allowed since last time
-        credited = self._credit(peer, hb.step, hb.samples, now)
-        peer.step = hb.step
-        peer.samples = credited
-        peer.counted_at = now
+        self._credit(peer, hb.step, hb.samples, now)
         peer.samples_per_s = hb.samples_per_s
         peer.chunks_held = hb.chunks_held
         peer.loss = hb.loss
@@ -490,14 +497,20 @@ class RunState:
         # else nothing): allot its share now, so the ready reply carries it and the peer computes on
         # without waiting for a heartbeat's answer.
         ahead, self.ahead = self.ahead, {}
-        for c in candidates:
-            peer = self.peers[c.peer_id]
+        moved = [self.peers[c.peer_id] for c in candidates]
+        began = time.monotonic()
+        for peer in moved:
             self._unaccount(peer)
             peer.step, peer.samples, peer.computing = (
                 step + 1,
-                min(ahead.get(c.peer_id, 0), self.target),
+                min(ahead.get(peer.peer_id, 0), self.target),
                 True,
             )
+            peer.step_base, peer.step_since = peer.samples, began
+            self._account(peer)
+        # allotted once all are at the new step: each one's share (and cap) counts the others
+        for peer in moved:
+            self._unaccount(peer)
             peer.allotted = self._allot(peer)
             self._account(peer)
         for callback in self.on_formed:
