@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,3 +95,15 @@ async def published_run(
             yield Published(running, spec, data, manifest, seeder)
         finally:
             await seeder.close()
+
+
+async def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m crowdtrain ARGS`` in a subprocess (not blocking the event loop), its output captured."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "crowdtrain", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )

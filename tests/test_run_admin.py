@@ -4,8 +4,6 @@ run, its history stays readable, a closed run stays closed across a tracker rest
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
@@ -18,18 +16,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import until
-from tests.harness import published_run
-
-
-async def cli(env, *args):
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "crowdtrain", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+from tests.harness import cli, published_run
 
 
 @pytest.mark.slow

@@ -334,15 +334,8 @@ async def test_malformed_heartbeat_names_the_field(tracker, admin, run_id):
 
 async def test_reachable_address_is_verified_and_owns_state(admin, run_id):
     async with PingServer() as ps:
-        v = SimVolunteer(admin, run_id)
-        await v.join(address=ps.address)
-        ps.peer_id = v.peer_id  # the peer server learns its id after join; the next heartbeat re-checks
-        for _ in range(200):
-            if (await v.heartbeat(0, 1)).reachable:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the tracker never verified a peer answering GET /v1/ping")
+        # (the peer server learns its id after join; the next heartbeat re-checks)
+        (v,) = await reachable_volunteers(admin, run_id, (ps,))
         status = await admin.status(run_id)
         assert [p.client_mode for p in status.peers] == [False]
         await v.declare_state(0, "cd" * 32, 1234)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,7 +13,7 @@ from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve
-from tests.harness import closed_port
+from tests.harness import cli, closed_port
 
 SPEC = """
 name = "tiny lm on stdlib"
@@ -62,17 +60,6 @@ def write_dataset(folder, announce):
     torrent = make_torrent("demo", b"x" * 40000, announce=announce)
     (folder / "demo.torrent").write_bytes(torrent)
     return torrent
-
-
-async def cli(env, *args):
-    return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "crowdtrain", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
 
 
 async def test_run_create_reads_the_toml_and_the_dataset_folder(tracker, tmp_path, cli_env):

@@ -486,22 +486,22 @@ class Tracker:
 
     # ------------------------------------------------------------ runs (public)
 
-    async def list_runs(self, request: web.Request) -> web.Response:
-        return _json(
-            RunList(
-                runs=[
-                    RunSummary(
-                        run_id=r.run_id,
-                        name=r.spec.name,
-                        global_step=r.global_step,
-                        peers_online=len(r.peers),
-                        created_at=r.spec.created_at,
-                        closed_at=r.closed_at_time,
-                    )
-                    for r in self.runs.values()
-                ]
+    def _summaries(self, *, private: bool) -> list[RunSummary]:
+        return [
+            RunSummary(
+                run_id=r.run_id,
+                name=r.spec.name,
+                global_step=r.global_step,
+                peers_online=len(r.peers),
+                created_at=r.spec.created_at,
+                closed_at=r.closed_at_time,
             )
-        )
+            for r in self.runs.values()
+            if private or r.spec.join_policy != "token"
+        ]
+
+    async def list_runs(self, request: web.Request) -> web.Response:
+        return _json(RunList(runs=self._summaries(private=True)))
 
     async def get_spec(self, request: web.Request) -> web.Response:
         return _json(self._run(request).spec)
@@ -515,19 +515,7 @@ class Tracker:
     # ------------------------------------------------------------ web pages
 
     async def index_page(self, request: web.Request) -> web.Response:
-        public = [
-            RunSummary(
-                run_id=r.run_id,
-                name=r.spec.name,
-                global_step=r.global_step,
-                peers_online=len(r.peers),
-                created_at=r.spec.created_at,
-                closed_at=r.closed_at_time,
-            )
-            for r in self.runs.values()
-            if r.spec.join_policy != "token"  # private runs are not listed
-        ]
-        return _html(index_html(public))
+        return _html(index_html(self._summaries(private=False)))  # private runs are not listed
 
     async def run_page(self, request: web.Request) -> web.Response:
         """One run's live page. A private run's page needs its join token (``?token=``) or the admin token
