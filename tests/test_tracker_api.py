@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -588,3 +589,27 @@ async def test_create_refuses_a_run_no_volunteer_could_run_naming_the_field(trac
     )
     assert got == 400, (got, reply[:300])
     assert error_of(reply).startswith(f"RunCreate: {field} "), error_of(reply)
+
+
+async def test_a_malformed_http_request_is_refused_with_one_log_line_not_a_traceback(tracker, caplog):
+    """Issue 16: an over-long request line got aiohttp's 400 and a full parser traceback in the log per
+    request; now it is one line saying who sent what."""
+    host, port = tracker.url.removeprefix("http://").rsplit(":", 1)
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        for request in (
+            b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"BR0KEN\x00 / HTTP/1.1\r\n\r\n",
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(4096), 10)
+            writer.close()
+            await writer.wait_closed()
+            assert answer.split(b"\r\n")[0].endswith(b" 400 Bad Request"), answer[:200]
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert records, "aiohttp logged nothing for two malformed requests"
+    for r in records:
+        assert r.exc_info is None and r.exc_text is None
+        assert r.getMessage().startswith("refused a malformed HTTP request from 127.0.0.1: ")
+        assert "\n" not in r.getMessage()

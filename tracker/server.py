@@ -39,6 +39,7 @@ from crowdtrain import __version__
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, ConfigError, CrowdtrainError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.httplog import quiet_parser_errors
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     HEX40,
@@ -224,6 +225,7 @@ class Tracker:
         return app
 
     async def start(self) -> None:
+        quiet_parser_errors()
         await self.checker.start()
         self._runner = web.AppRunner(
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_DRAIN_S

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
+from crowdtrain.protocol.httplog import quiet_parser_errors
+
 MAX_BODY = 256 << 20  # the all-reduce routes stream their bodies; this bounds anything read whole
 
 
@@ -51,6 +53,7 @@ class PeerServer:
     async def start(self) -> int:
         """Serve on the bound port (binding it first if needed); returns the port."""
         self.bind()
+        quiet_parser_errors()
         self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
         await web.SockSite(self._runner, self._sock).start()
