@@ -27,6 +27,9 @@ from crowdtrain.protocol.messages import (
 MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly
 MAX_GROUP_SIZE = 256  # the averager's max_members
 MAX_MICRO_BATCH = 1 << 20
+MAX_MODEL_ARG = (1 << 31) - 1
+# a recipe is a name in the built-in recipes or an entry point: never a path
+RECIPE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,199}$")
 # a chunk is a file in the data set's folder: a plain name, never a path
 CHUNK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 DTYPES = {
@@ -155,10 +158,25 @@ def check_run(msg: RunCreate | RunSpec) -> None:
     """Raise :class:`ConfigError` naming the first field that makes ``msg`` a run no volunteer can run."""
     check_text("name", msg.name)
     check_text("model.recipe", msg.model.recipe)
+    if not RECIPE_NAME.match(msg.model.recipe):
+        raise ConfigError(
+            "model.recipe",
+            f"{msg.model.recipe[:80]!r} is not a recipe name (letters, digits, '.', '_', '-', ':')",
+        )
+    if len(msg.model.args) > 100:
+        raise ConfigError("model.args", f"holds {len(msg.model.args)} arguments; at most 100")
     for key, value in msg.model.args.items():
         check_text("model.args", key, 100)
+        where = f"model.args.{key}"
         if isinstance(value, str):
-            check_text(f"model.args.{key}", value, 1000)
+            check_text(where, value, 1000)
+        elif isinstance(value, bool):
+            pass
+        elif isinstance(value, int):
+            # the recipe checks its own ranges where it is installed; no model argument is this large
+            _int(where, value, -MAX_MODEL_ARG, MAX_MODEL_ARG)
+        elif not math.isfinite(value):
+            raise ConfigError(where, f"must be a finite number, got {value}")
     check_text("dataset.manifest.name", msg.dataset.manifest.name)
     _int("target_batch_size", msg.target_batch_size, 1)
     _int("micro_batch_size", msg.micro_batch_size, 1, MAX_MICRO_BATCH)

@@ -567,6 +567,8 @@ def _with(path: str, value):
         (_with("dataset.manifest.chunks.0.name", "../../../etc/passwd"), "dataset.manifest.chunks[0].name"),
         (_with("dataset.manifest.chunks.0.samples", -5), "dataset.manifest.chunks[0].samples"),
         (_with("averaging.max_peer_share", 0.0), "averaging.max_peer_share"),
+        (_with("model.recipe", "../../etc/passwd"), "model.recipe"),
+        (_with("model.args.hidden", 10**12), "model.args.hidden"),
         # names a log line or a terminal shows: no NUL, ESC, CR/LF or right-to-left override
         (_with("name", "run\x00"), "name"),
         (_with("name", "run\r\n2026-11-23 INFO peer admitted"), "name"),
