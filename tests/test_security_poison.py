@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 
 import numpy as np
 import pytest
 
 from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.protocol.client import TrackerClient
+from crowdtrain.protocol.errors import TrackerError
+from crowdtrain.tracker.fixtures import SimVolunteer
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig
@@ -324,3 +328,83 @@ async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(
         else:
             assert r.failed_parts == (0,) and "malformed" in r.reasons["part 0"], r.reasons
             np.testing.assert_array_equal(r.values[:1000], vectors[i][:1000])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_fake_state_declarations_leave_a_newcomer_catching_up_from_honest_donors(tmp_path):
+    """Issue 16, as it was tried from outside: a joined, reachable peer declares every 0.3 s a state 1000
+    steps ahead of the run and one for the current step, with hashes of its choosing. The tracker refuses
+    each (a step the run has not reached; a step it took no part in), drops it as a donor at the third, and a
+    newcomer catches up from the honest volunteers and then holds their parameters."""
+    model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+    seen: list[ev.Event] = []
+    refusals: list[TrackerError] = []
+
+    def make(name: str, seed: int, emit=ev.no_emit) -> Volunteer:
+        v = Volunteer(
+            VolunteerConfig(
+                run_id=run.spec.run_id, tracker_url=run.tracker.url, data_dir=tmp_path / name, seed=seed
+            ),
+            emit=emit,
+        )
+        v.record = True
+        return v
+
+    async with published_run(tmp_path, model=model, target_batch_size=64) as run:
+        run_id = run.spec.run_id
+        honest = [make("honest-a", 0), make("honest-b", 1)]
+        tasks = [asyncio.create_task(v.run()) for v in honest]
+        await until(lambda: min(v.summary.steps_done for v in honest) >= 2, 120, "two honest steps")
+        async with TrackerClient(run.tracker.url) as client:
+            liar = SimVolunteer(client, run_id)
+            await liar.serve()  # it answers the tracker's ping: a reachable peer, allowed to declare state
+            await liar.join()
+            await liar.wait_reachable()
+
+            async def lie() -> None:
+                while True:
+                    step = (await client.status(run_id)).global_step
+                    await liar.heartbeat(step, 0, computing=False)
+                    for claimed in (step + 1000, step):
+                        try:
+                            await liar.declare_state(claimed, secrets.token_hex(32), 1 << 20)
+                        except TrackerError as exc:
+                            refusals.append(exc)
+                    await asyncio.sleep(0.3)
+
+            lying = asyncio.create_task(lie())
+            late = None
+            try:
+                await until(lambda: min(v.summary.steps_done for v in honest) >= 4, 120, "four honest steps")
+                late = make("newcomer", 2, emit=seen.append)
+                tasks.append(asyncio.create_task(late.run()))
+                await until(
+                    lambda: (
+                        late.summary.caught_up_to is not None
+                        and min(honest[0].step, late.step) >= late.summary.caught_up_to + 3
+                    ),
+                    200,
+                    "the newcomer catching up and stepping with the others",
+                )
+            finally:
+                lying.cancel()
+                for v in (*honest, *([late] if late else [])):
+                    v.stop()
+                await liar.close()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    messages = [str(e) for e in refusals]
+    assert any("beyond the run's step" in m for m in messages), messages[:5]
+    assert any("took no part in step" in m for m in messages), messages[:5]
+    assert any(e.status == 403 and "no longer a state donor" in str(e) for e in refusals), messages[-3:]
+    loaded = [e for e in seen if isinstance(e, ev.StateLoaded)]
+    honest_ids = {v.peer_id for v in honest}
+    assert loaded and all(d.partition(" at ")[0] in honest_ids for e in loaded for d in e.donors_used), loaded
+    caught = late.summary.caught_up_to
+    compared = 0
+    for step, params in late.param_history.items():
+        if step >= caught and step in honest[0].param_history:
+            np.testing.assert_array_equal(params, honest[0].param_history[step], err_msg=f"step {step}")
+            compared += 1
+    assert compared >= 2
