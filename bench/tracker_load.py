@@ -34,6 +34,7 @@ from pathlib import Path
 from urllib.parse import quote_from_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # for tests/sim.py (make_run_create), which is not installed
 
 
 def taskset(core: int) -> list[str]:
@@ -129,7 +130,7 @@ async def generate(
     from crowdtrain.protocol.credentials import SigningKey, issue_credential
     from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, JoinResponse, encode
     from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
-    from crowdtrain.tracker.fixtures import make_run_create
+    from tests.sim import make_run_create
 
     host, port = url.removeprefix("http://").rsplit(":", 1)
     port_n = int(port)

@@ -20,13 +20,13 @@ from crowdtrain.datasets.session import SessionConfig, TorrentSession
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import TrackerProcess, losses_on_a_fixed_batch, record_outcome, until
 from tests.harness import TINY_GPT
+from tests.sim import SimVolunteer, make_run_create
 
 KILL_AT_STEP = 2
 DOWN_S = 4.0

@@ -10,13 +10,13 @@ import pytest
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import until
 from tests.harness import cli, published_run
+from tests.sim import SimVolunteer, make_run_create
 
 
 @pytest.mark.slow

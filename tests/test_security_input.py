@@ -36,11 +36,11 @@ from crowdtrain.protocol.errors import CrowdtrainError, ProtocolError
 from crowdtrain.protocol.messages import DatasetManifest, decode
 from crowdtrain.protocol.peerauth import sign_headers
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import make_torrent
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.peer_server import PeerServer
+from tests.sim import make_torrent
 
 FUZZ = settings(
     max_examples=int(os.environ.get("CROWDTRAIN_FUZZ_EXAMPLES", "120")),

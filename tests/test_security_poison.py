@@ -32,7 +32,6 @@ import pytest
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.tracker.fixtures import SimVolunteer
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig
@@ -41,6 +40,7 @@ from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.snapshot import Snapshot
 from tests.faults import until
 from tests.harness import published_run
+from tests.sim import SimVolunteer
 
 STEPS = 16
 MODES = ("nan", "scale", "weight", "length", "twice")

@@ -44,7 +44,6 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.protocol.peerauth import HEADER_CREDENTIAL, HEADER_SIGNATURE, HEADER_TIME, sign_headers
 from crowdtrain.tracker.auth import HEADER_SESSION_MAC
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import make_run_create
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
@@ -52,6 +51,7 @@ from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.serve import StateServer
 from crowdtrain.volunteer.state.snapshot import make_snapshot
+from tests.sim import make_run_create
 
 JOIN_TOKEN = "private-join-token-0123456789"
 N = 1000  # values in the all-reduce vector (one part)

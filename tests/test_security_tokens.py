@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from crowdtrain.protocol.messages import encode
-from crowdtrain.tracker.fixtures import make_run_create, make_torrent
+from tests.sim import make_run_create, make_torrent
 
 ADMIN = "admin-SECRET-7d1b0c5e9a2f4e33"
 JOIN = "join-SECRET-41f9a0b2c8d6e177"

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import make_torrent
 from crowdtrain.tracker.server import serve
+from tests.sim import make_torrent
 
 IH = hashlib.sha1(b"registered").digest()
 
@@ -161,7 +161,7 @@ async def test_ipv6_peers_come_in_peers6():
 
 
 async def test_run_creation_registers_its_info_hash(tracker):
-    from crowdtrain.tracker.fixtures import make_run_create
+    from tests.sim import make_run_create
 
     create = make_run_create()
     async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:

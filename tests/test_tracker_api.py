@@ -20,9 +20,9 @@ from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
 from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve
 from tests.harness import closed_port
+from tests.sim import PingServer, SimVolunteer, make_run_create, make_torrent
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create, make_torrent
 from crowdtrain.tracker.server import serve
 from tests.harness import cli, closed_port
+from tests.sim import SimVolunteer, make_run_create, make_torrent
 
 SPEC = """
 name = "tiny lm on stdlib"

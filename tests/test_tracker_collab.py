@@ -13,8 +13,8 @@ from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import PingServer, SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve
+from tests.sim import PingServer, SimVolunteer, make_run_create
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
+from tests.sim import SimVolunteer, make_run_create
 
 HEAVY = ("torch", "libtorrent", "rich")
 

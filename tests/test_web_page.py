@@ -16,12 +16,12 @@ import pytest
 
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.fixtures import SimVolunteer, make_run_create
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import until
 from tests.harness import published_run
+from tests.sim import SimVolunteer, make_run_create
 
 INSTALL = "apt-get install -y --no-install-recommends chromium (`make test` does it when run as root)"
 

@@ -1,4 +1,4 @@
-"""Small real things to drive a tracker with, for tests, benchmarks and the demo.
+"""Small real things to drive a tracker with, for the tests and `bench/tracker_load.py` (not installed).
 
 * :func:`make_torrent` writes a v1 .torrent for some bytes (pure bencode; no libtorrent);
 * :func:`make_run_create` builds a :class:`RunCreate` around such a torrent;
