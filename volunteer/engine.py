@@ -73,7 +73,7 @@ from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
 from crowdtrain.volunteer.state.snapshot import load_snapshot, save_snapshot
-from crowdtrain.volunteer.trainer import Trainer
+from crowdtrain.volunteer.trainer import Trainer, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -183,16 +183,6 @@ class Summary:
     # share of its wall time since its first micro-batch spent computing gradients that entered an average
     compute_share: float | None = None
     ended: str | None = None  # the tracker's sentence when the run was closed or deleted under it
-
-
-def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise CrowdtrainError(
-            "--device cuda was asked for, but torch sees no CUDA device; use --device cpu or auto."
-        )
-    return requested
 
 
 def load_checkpoint(model: torch.nn.Module, path, spec: RunSpec) -> int:
@@ -323,7 +313,7 @@ class Volunteer:
             check_param_hash(model, spec.model.param_hash)
             if cfg.init_from is not None:
                 await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
-            device = resolve_device(cfg.device)
+            device = str(resolve_device(cfg.device))  # "cpu", "cuda", "cuda:1"
             self.trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
             torrent = await tracker.get_torrent(cfg.run_id)
 
