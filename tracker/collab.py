@@ -65,10 +65,10 @@ log = logging.getLogger("crowdtrain.tracker")
 # declarations were refused DONOR_STRIKES times is no donor any more.
 MIN_BACKERS = 2
 DONOR_STRIKES = 3
-KEEP_FORMED_STEPS = 8
-# A peer's samples may grow by SAMPLES_SLACK × its rate × the seconds since it was last credited (plus two
-# micro-batches): room for a rate that rose since it reported it, never for a number out of thin air.
-SAMPLES_SLACK = 4.0  # assignments of this many past steps are kept to answer late ready calls
+KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+# A peer's samples for a step may grow by SAMPLES_SLACK × its rate × the seconds since the step began for it
+# (plus two micro-batches): room for a rate that rose since it reported it, not for a number out of thin air.
+SAMPLES_SLACK = 4.0
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
     "so no averaging group can be formed: the step waits and every volunteer keeps its gradients; one "
