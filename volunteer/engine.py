@@ -511,7 +511,9 @@ class Volunteer:
             if self.download is None:
                 await asyncio.sleep(0.1)
                 continue
-            s = self.download.stats()
+            # libtorrent answers a status query from its network thread: a busy one must not stall the event
+            # loop (heartbeats, rounds, Ctrl-C)
+            s = await asyncio.to_thread(self.download.stats)
             self.emit(
                 ev.TorrentStats(
                     chunks_held=s.chunks_held,
