@@ -69,10 +69,11 @@ def test_admin_and_join_tokens_appear_nowhere_but_the_operators_start_line(tmp_p
     outputs: dict[str, str] = {}
     try:
         assert tracker.stdout is not None
-        first = [tracker.stdout.readline() for _ in range(3)]
+        first = [tracker.stdout.readline() for _ in range(4)]
         url = first[0].split()[-1]
         assert url.startswith("http://127.0.0.1:"), first
-        assert first[2].strip() == f"admin token: {ADMIN}", first
+        assert first[2].strip() == f"runs on the web: {url}/", first
+        assert first[3].strip() == f"admin token: {ADMIN}", first
 
         data = tmp_path / "data"
         data.mkdir()

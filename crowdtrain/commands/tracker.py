@@ -102,7 +102,12 @@ def this_machine_addresses() -> list[str]:
 def address_lines(config, tracker) -> list[str]:
     """What a publisher needs to tell others: URLs they can use (not 0.0.0.0), and the announce URL."""
     if config.host not in ("0.0.0.0", "::", "") or config.public_url:
-        return [f"tracker listening on {tracker.url}", f"announce URL: {tracker.announce_url}"]
+        base = (config.public_url or tracker.url).rstrip("/")
+        return [
+            f"tracker listening on {tracker.url}",
+            f"announce URL: {tracker.announce_url}",
+            f"runs on the web: {base}/",
+        ]
     lines = [f"tracker listening on every interface, port {tracker.port}; on this machine: {tracker.url}"]
     others = [f"http://{ip}:{tracker.port}" for ip in this_machine_addresses()]
     if others:
@@ -116,6 +121,7 @@ def address_lines(config, tracker) -> list[str]:
     lines.append(
         f"announce URL: {tracker.announce_url.replace(tracker.url, others[0]) if others else tracker.announce_url}"
     )
+    lines.append(f"runs on the web: {others[0] if others else tracker.url}/")
     return lines
 
 
@@ -130,7 +136,6 @@ async def _serve(config) -> None:  # config: TrackerConfig
         async with serve(config) as tracker:
             for line in address_lines(config, tracker):
                 typer.echo(line)
-            typer.echo(f"runs on the web: {(config.public_url or tracker.url).rstrip('/')}/")
             typer.echo(f"admin token: {tracker.admin_token}")
             typer.echo(f"database: {config.db}")
             await stop.wait()
