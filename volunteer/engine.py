@@ -129,6 +129,15 @@ class _Replay:
         self._steps.clear()
 
 
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait for ``event`` at most ``seconds``. Not ``asyncio.wait_for``: on Python 3.11 it can swallow a
+    cancellation that arrives as the event is set, and a training loop that swallowed Ctrl-C waited for a
+    step reply forever (seen in the across-hosts test: the join never exited)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
 @dataclass(slots=True)
 class _Taken:
     """A step's gradient, taken out of the accumulation at its boundary (or, with delay 1, as soon as this
@@ -527,8 +536,7 @@ class Volunteer:
                     progress=s.progress,
                 )
             )
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), STATS_INTERVAL_S)
+            await _wait(self._stop, STATS_INTERVAL_S)
 
     # ------------------------------------------------------------------ tracker
 
@@ -719,8 +727,7 @@ class Volunteer:
                     self._heartbeat_now.set()
                 # (slowly while the tracker says the run cannot step: asking often would not help)
                 poll_s = self.heartbeat_interval if self._notice else IDLE_POLL_S
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._reply_changed.wait(), poll_s)
+                await _wait(self._reply_changed, poll_s)
                 if not self._reply_changed.is_set():
                     self._heartbeat_now.set()
                 self._reply_changed.clear()
@@ -759,8 +766,7 @@ class Volunteer:
             else:
                 # No verified chunk yet: nothing to compute, but this peer still takes part in its
                 # group's rounds with weight 0, so its parameters stay those of the run.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._reply_changed.wait(), 0.1)
+                await _wait(self._reply_changed, 0.1)
                 self._reply_changed.clear()
             reply = self._reply
             if reply is None:
