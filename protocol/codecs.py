@@ -179,6 +179,10 @@ def _int8_encode_sent(x: np.ndarray) -> tuple[bytes, np.ndarray]:
         absmax = np.abs(np.maximum(view.max(axis=1), -view.min(axis=1)))  # abs: -0.0 → 0.0
         scales = absmax / np.float32(127.0)
         scales[~np.isfinite(scales)] = np.nan
+        # near float32's largest value, 127 × scale can round past it and decode as inf: step such scales
+        # down an ulp at a time (at most a few) until the largest integer decodes finite
+        while (over := np.isinf(scales * np.float32(127.0))).any():
+            scales[over] = np.nextafter(scales[over], np.float32(0.0))
         safe = np.where(scales > 0, scales, np.float32(1.0)).astype(np.float32)
         q = np.divide(view, safe[:, None])
         np.rint(q, out=q)
