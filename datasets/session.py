@@ -1,7 +1,7 @@
 """One libtorrent session per process, living beside asyncio: seed data sets, stream them chunk by chunk.
 
-* Alerts are polled off the event loop (``asyncio.to_thread(ses.wait_for_alert, ms)``) by one pump task;
-  its failure is kept and re-raised by :meth:`Download.wait_complete`, :meth:`TorrentSession.close` and
+* Alerts are polled off the event loop (``asyncio.to_thread(ses.wait_for_alert, ms)``) by one pump task,
+  which hands each to its torrent's :class:`Download`; its failure is kept and re-raised by :meth:`Download.wait_complete`, :meth:`TorrentSession.close` and
   every later call, so nobody loses it.
 * A streaming download gives every chunk a priority ≥ 1 (never 0: a torrent with unwanted files becomes
   "finished" and drops its seeds) in a per-peer random order: the first six chunks of a seeded shuffle get
@@ -12,8 +12,9 @@
   were dropped.
 * Restart: resume data is saved on close into ``<data_dir>/.resume-<infohash>``; without it libtorrent
   re-checks the files on disk. Either way complete chunks are verified and announced without download.
-* Loopback settings follow shared/notes/libtorrent.md (TCP only, several connections per IP, no DHT/LSD/
-  UPnP, short announce intervals, rate limits applied to local peers when configured).
+* Settings measured on loopback (:func:`_settings`): TCP only (uTP was several times slower there), several
+  connections per IP (peers on one host are dropped as duplicates otherwise), no DHT/LSD/UPnP/NAT-PMP, short
+  announce intervals, and rate limits applied to local peers when configured.
 """
 
 from __future__ import annotations
@@ -147,7 +148,13 @@ def _settings(cfg: SessionConfig, fingerprint: str) -> dict:
 
 
 class Download:
-    """One torrent in the session: its chunks' state, stats and per-peer totals."""
+    """One torrent in a :class:`TorrentSession`: the chunks verified so far, stats and per-peer totals.
+
+    The session feeds it the torrent's libtorrent alerts (:meth:`on_alert`) and calls :meth:`scan`
+    periodically, both on the event loop. A chunk is held only once libtorrent reported its file complete,
+    the disk cache was flushed (a file read at ``file_completed_alert`` time can still hold stale blocks)
+    and the file's sha256 matched the manifest; ``on_chunk`` then gets a :class:`ChunkReady`.
+    """
 
     def __init__(
         self,
@@ -161,19 +168,19 @@ class Download:
         self.infohash = infohash
         self.manifest = manifest
         self.data_dir = data_dir
-        self._on_chunk = on_chunk
         self.verified: set[int] = set()
-        self.hash_failures = 0
-        self.verify_failures = 0
-        self._awaiting_flush: set[int] = set()
-        self._verify_lock = asyncio.Lock()
-        self._tries: dict[int, int] = {}
-        self._failed: BaseException | None = None  # the session's alert loop died
-        self._checked = asyncio.Event()
+        self.hash_failures = 0  # pieces libtorrent rejected (SHA-1) and fetches again
+        self.verify_failures = 0  # complete files whose sha256 did not match the manifest
+        self.error: str | None = None  # why libtorrent cannot use the torrent or its files
+        self._on_chunk = on_chunk
+        self._checked = asyncio.Event()  # libtorrent checked the files on disk, or gave up with an error
         self._complete = asyncio.Event()
+        self._failed: BaseException | None = None  # the session's alert loop died
+        self._awaiting_flush: set[int] = set()  # complete files to verify once the disk cache is flushed
+        self._verify_lock = asyncio.Lock()
+        self._tries: dict[int, int] = {}  # sha256 mismatches per chunk
         self._peer_bytes: dict[tuple[str, str], tuple[int, int]] = {}
         self._resume: asyncio.Future[bytes | None] | None = None
-        self.error: str | None = None
 
     # -------------------------------------------------------------- views
 
@@ -219,11 +226,136 @@ class Download:
         await self._complete.wait()
         self._raise_failed()
 
+    # -------------------------------------------------------------- driven by the session
+
+    async def on_alert(self, alert: lt.alert) -> None:
+        """Act on one of this torrent's alerts."""
+        if isinstance(alert, lt.torrent_checked_alert):
+            self._checked.set()
+        elif isinstance(alert, lt.file_completed_alert):
+            if alert.index < self.chunks_total and alert.index not in self.verified:
+                self._verify_after_flush({alert.index})
+        elif isinstance(alert, lt.cache_flushed_alert):
+            pending, self._awaiting_flush = self._awaiting_flush, set()
+            await self._verify(pending)
+        elif isinstance(alert, lt.hash_failed_alert):
+            self.hash_failures += 1
+            log.info(
+                "piece %d of %s failed its hash check and will be fetched again",
+                alert.piece_index,
+                self.manifest.name,
+            )
+        elif isinstance(alert, lt.save_resume_data_alert):
+            if self._resume is not None and not self._resume.done():
+                self._resume.set_result(bytes(lt.write_resume_data_buf(alert.params)))
+        elif isinstance(alert, lt.save_resume_data_failed_alert):
+            if self._resume is not None and not self._resume.done():
+                self._resume.set_result(None)
+        elif isinstance(alert, (lt.torrent_error_alert, lt.file_error_alert)):
+            self.error = alert.message()
+            log.error("%s: %s", self.manifest.name, self.error)
+            self._checked.set()
+        elif isinstance(alert, lt.tracker_error_alert):
+            if "skipping tracker announce" in alert.message():
+                # listening on every interface, libtorrent has a socket per interface and announces from
+                # each that can reach the tracker; the others (loopback, for a tracker on the network)
+                # report this, which is expected and not a failure
+                log.debug("tracker: %s", alert.message())
+            else:
+                log.warning("tracker: %s", alert.message())
+
+    def scan(self) -> None:
+        """The periodic poll, once the files are checked: per-peer totals, and complete files whose
+        ``file_completed_alert`` was dropped."""
+        if not self._checked.is_set():
+            return
+        self._poll_peers()
+        missed = self._complete_files() - self.verified - self._awaiting_flush
+        if missed:
+            self._verify_after_flush(missed)
+
+    async def verify_complete_files(self) -> None:
+        """Verify every file libtorrent holds complete now (after the check of the files on disk)."""
+        await self._verify(self._complete_files())
+
+    def fail(self, exc: BaseException) -> None:
+        """The session's alert loop died: wake the waiters, who raise a :class:`DatasetError` for it."""
+        self._failed = exc
+        self._complete.set()
+        self._checked.set()
+
+    def request_resume_data(self) -> bool:
+        """Ask libtorrent for resume data, its disk cache flushed first; False if it no longer has the torrent.
+
+        :meth:`resume_data` waits for the answer."""
+        if not self.handle.is_valid():
+            return False
+        self._resume = asyncio.get_running_loop().create_future()
+        self.handle.save_resume_data(lt.torrent_handle.flush_disk_cache | lt.torrent_handle.save_info_dict)
+        return True
+
+    async def resume_data(self) -> bytes | None:
+        """The resume data asked for by :meth:`request_resume_data`; None if libtorrent could not save it."""
+        if self._resume is None:
+            raise RuntimeError("Download.resume_data() called before request_resume_data()")
+        return await self._resume
+
+    # -------------------------------------------------------------- internals
+
     def _raise_failed(self) -> None:
         if self._failed is not None:
             raise DatasetError(f"The BitTorrent session failed: {self._failed}") from self._failed
 
-    # -------------------------------------------------------------- internals
+    def _verify_after_flush(self, indices: set[int]) -> None:
+        """Have libtorrent flush its disk cache; the files are verified when ``cache_flushed_alert`` comes."""
+        self._awaiting_flush |= indices
+        self.handle.flush_cache()
+
+    async def _verify(self, indices: set[int]) -> None:
+        """Hash the given complete files against the manifest; announce each that matches."""
+        # the alert loop (after a flush) and `verify_complete_files` (when the torrent is added) may both
+        # verify: the lock makes the later caller find the earlier one's results (so a chunk is announced
+        # once, and `verify_complete_files` returns with all of them known)
+        async with self._verify_lock:
+            for index in sorted(indices - self.verified):
+                await self._verify_one(index)
+        if self.complete:
+            self._complete.set()
+
+    async def _verify_one(self, index: int) -> None:
+        if index in self.verified:
+            return
+        info = self.manifest.chunks[index]
+        path = self.data_dir / info.name
+        try:
+            digest = await asyncio.to_thread(sha256_file, path)
+        except OSError as exc:
+            digest = f"unreadable: {exc}"
+        if digest != info.sha256:
+            # libtorrent said the file is complete, so its pieces passed SHA-1: either we read before the
+            # data reached the disk (flush and read again), or the torrent and the manifest disagree or the
+            # disk changed under us (after a few tries, make libtorrent re-check the files)
+            self.verify_failures += 1
+            tries = self._tries[index] = self._tries.get(index, 0) + 1
+            if tries < 3:
+                self._verify_after_flush({index})
+            elif tries == 3:
+                log.warning("chunk %s does not match the manifest's sha256; re-checking the files", info.name)
+                self.handle.force_recheck()
+            else:
+                log.error("chunk %s still does not match the manifest's sha256; it is not used", info.name)
+            return
+        self.verified.add(index)
+        if self._on_chunk is not None:
+            self._on_chunk(
+                ChunkReady(
+                    index=index,
+                    name=info.name,
+                    samples=info.samples,
+                    held=len(self.verified),
+                    total=self.chunks_total,
+                )
+            )
 
     def _poll_peers(self) -> None:
         try:
@@ -291,7 +423,7 @@ class TorrentSession:
 
     def stats(self) -> SwarmStats:
         """The view's numbers, summed over this session's torrents (a volunteer has one)."""
-        parts = [d.stats() for d in self._downloads.values() if d.handle is not None]
+        parts = [d.stats() for d in self._downloads.values()]
         return SwarmStats(
             chunks_held=sum(p.chunks_held for p in parts),
             chunks_total=sum(p.chunks_total for p in parts),
@@ -320,9 +452,7 @@ class TorrentSession:
             self._failure = task.exception()
             log.error("libtorrent alert loop failed", exc_info=self._failure)
             for d in self._downloads.values():  # wake waiters so they see the failure
-                d._failed = self._failure
-                d._complete.set()
-                d._checked.set()
+                d.fail(self._failure)
 
     async def close(self) -> None:
         """Save resume data of unfinished downloads, stop the alert loop, shut libtorrent down."""
@@ -422,18 +552,18 @@ class TorrentSession:
             atp.file_priorities = priorities
         # not auto-managed: libtorrent's queue must never pause a data set the volunteer trains on
         atp.flags &= ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused | lt.torrent_flags.seed_mode)
-        dl = Download(None, infohash, manifest, data_dir, on_chunk)  # type: ignore[arg-type]
-        self._downloads[infohash] = dl
+        handle = ses.add_torrent(atp)
+        # registered before the next await, so the alert loop finds it for the torrent's first alerts
+        dl = self._downloads[infohash] = Download(handle, infohash, manifest, data_dir, on_chunk)
         try:
-            dl.handle = ses.add_torrent(atp)
             if priorities is not None:  # resume data may carry other priorities
-                dl.handle.prioritize_files(priorities)
+                handle.prioritize_files(priorities)
             async with asyncio.timeout(self.config.check_timeout_s):
                 await dl.wait_checked()
             self._raise_failure()
             if dl.error:
                 raise DatasetError(f"libtorrent could not use {data_dir}: {dl.error}")
-            await self._verify(dl, dl._complete_files())
+            await dl.verify_complete_files()
         except TimeoutError:
             self._downloads.pop(infohash, None)
             raise DatasetError(
@@ -442,9 +572,8 @@ class TorrentSession:
             ) from None
         except BaseException:
             self._downloads.pop(infohash, None)
-            if dl.handle is not None:
-                with contextlib.suppress(RuntimeError):
-                    ses.remove_torrent(dl.handle)
+            with contextlib.suppress(RuntimeError):
+                ses.remove_torrent(handle)
             raise
         return dl
 
@@ -463,13 +592,7 @@ class TorrentSession:
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + self.config.scan_interval_s
                 for dl in list(self._downloads.values()):
-                    if not dl._checked.is_set():
-                        continue
-                    dl._poll_peers()
-                    missed = dl._complete_files() - dl.verified - dl._awaiting_flush
-                    if missed:
-                        dl._awaiting_flush |= missed
-                        dl.handle.flush_cache()
+                    dl.scan()
 
     def _download_of(self, alert: lt.alert) -> Download | None:
         handle = getattr(alert, "handle", None)
@@ -485,114 +608,24 @@ class TorrentSession:
             log.warning("libtorrent dropped alerts; a file-progress scan will catch up")
             return
         dl = self._download_of(alert)
-        if dl is None:
-            return
-        if isinstance(alert, lt.torrent_checked_alert):
-            dl._checked.set()
-        elif isinstance(alert, lt.file_completed_alert):
-            if alert.index < dl.chunks_total and alert.index not in dl.verified:
-                dl._awaiting_flush.add(alert.index)
-                dl.handle.flush_cache()
-        elif isinstance(alert, lt.cache_flushed_alert):
-            pending, dl._awaiting_flush = dl._awaiting_flush, set()
-            await self._verify(dl, pending)
-        elif isinstance(alert, lt.hash_failed_alert):
-            dl.hash_failures += 1
-            log.info(
-                "piece %d of %s failed its hash check and will be fetched again",
-                alert.piece_index,
-                dl.manifest.name,
-            )
-        elif isinstance(alert, lt.save_resume_data_alert):
-            if dl._resume is not None and not dl._resume.done():
-                dl._resume.set_result(bytes(lt.write_resume_data_buf(alert.params)))
-        elif isinstance(alert, lt.save_resume_data_failed_alert):
-            if dl._resume is not None and not dl._resume.done():
-                dl._resume.set_result(None)
-        elif isinstance(alert, (lt.torrent_error_alert, lt.file_error_alert)):
-            dl.error = alert.message()
-            log.error("%s: %s", dl.manifest.name, dl.error)
-            dl._checked.set()
-        elif isinstance(alert, lt.tracker_error_alert):
-            if "skipping tracker announce" in alert.message():
-                # listening on every interface, libtorrent has a socket per interface and announces from
-                # each that can reach the tracker; the others (loopback, for a tracker on the network)
-                # report this, which is expected and not a failure
-                log.debug("tracker: %s", alert.message())
-            else:
-                log.warning("tracker: %s", alert.message())
-
-    async def _verify(self, dl: Download, indices: set[int]) -> None:
-        """Hash the given complete files against the manifest; announce each that matches."""
-        # the pump and `_add` may both verify one download: the lock makes the later caller find the
-        # earlier one's results (so a chunk is announced once, and `_add` returns with all of them known)
-        async with dl._verify_lock:
-            for index in sorted(indices - dl.verified):
-                await self._verify_one(dl, index)
-        if dl.complete:
-            dl._complete.set()
-
-    async def _verify_one(self, dl: Download, index: int) -> None:
-        if index in dl.verified:
-            return
-        info = dl.manifest.chunks[index]
-        path = dl.data_dir / info.name
-        try:
-            digest = await asyncio.to_thread(sha256_file, path)
-        except OSError as exc:
-            digest = f"unreadable: {exc}"
-        if digest != info.sha256:
-            # libtorrent said the file is complete, so its pieces passed SHA-1: either we read before the
-            # data reached the disk (flush and read again), or the torrent and the manifest disagree or the
-            # disk changed under us (after a few tries, make libtorrent re-check the files)
-            dl.verify_failures += 1
-            tries = dl._tries[index] = dl._tries.get(index, 0) + 1
-            if tries < 3:
-                dl._awaiting_flush.add(index)
-                dl.handle.flush_cache()
-            elif tries == 3:
-                log.warning("chunk %s does not match the manifest's sha256; re-checking the files", info.name)
-                dl.handle.force_recheck()
-            else:
-                log.error("chunk %s still does not match the manifest's sha256; it is not used", info.name)
-            return
-        dl.verified.add(index)
-        if dl._on_chunk is not None:
-            dl._on_chunk(
-                ChunkReady(
-                    index=index,
-                    name=info.name,
-                    samples=info.samples,
-                    held=len(dl.verified),
-                    total=dl.chunks_total,
-                )
-            )
+        if dl is not None:
+            await dl.on_alert(alert)
 
     # -------------------------------------------------------------- resume data
 
     async def _save_all_resume(self) -> None:
-        loop = asyncio.get_running_loop()
-        waits = []
-        for dl in self._downloads.values():
-            if dl.handle is None or not dl.handle.is_valid():
-                continue
-            dl._resume = loop.create_future()
-            dl.handle.save_resume_data(lt.torrent_handle.flush_disk_cache | lt.torrent_handle.save_info_dict)
-            waits.append(dl)
-        for dl in waits:
+        asked = [dl for dl in self._downloads.values() if dl.request_resume_data()]
+        for dl in asked:
             try:
                 async with asyncio.timeout(self.config.close_timeout_s):
-                    data = await dl._resume  # type: ignore[misc]
+                    data = await dl.resume_data()
             except TimeoutError:
                 log.warning(
                     "saving resume data of %s timed out; the next start re-checks its files", dl.manifest.name
                 )
                 continue
             if data:
-                path = dl.data_dir / f"{RESUME_PREFIX}{dl.infohash}"
-                tmp = path.with_suffix(".tmp")
-                await asyncio.to_thread(tmp.write_bytes, data)
-                await asyncio.to_thread(os.replace, tmp, path)
+                await _write_resume(dl.data_dir, dl.infohash, data)
 
 
 def _free_port(host: str) -> int:
@@ -603,8 +636,12 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _resume_path(data_dir: Path, infohash: str) -> Path:
+    return data_dir / f"{RESUME_PREFIX}{infohash}"
+
+
 def _resume_params(data_dir: Path, infohash: str) -> lt.add_torrent_params:
-    path = data_dir / f"{RESUME_PREFIX}{infohash}"
+    path = _resume_path(data_dir, infohash)
     if path.is_file() and path.stat().st_size <= (16 << 20):
         try:
             atp = lt.read_resume_data(path.read_bytes())
@@ -614,6 +651,13 @@ def _resume_params(data_dir: Path, infohash: str) -> lt.add_torrent_params:
         except (RuntimeError, OSError) as exc:
             log.warning("resume data in %s is unusable (%s); checking the files instead", path, exc)
     return lt.add_torrent_params()
+
+
+async def _write_resume(data_dir: Path, infohash: str, data: bytes) -> None:
+    path = _resume_path(data_dir, infohash)
+    tmp = path.with_suffix(".tmp")
+    await asyncio.to_thread(tmp.write_bytes, data)
+    await asyncio.to_thread(os.replace, tmp, path)
 
 
 def _shutdown(holder: list[lt.session]) -> None:
