@@ -3,7 +3,11 @@
 Rules on the wire: a message is a JSON object; ``version`` must be one this code speaks; unknown fields,
 missing fields and fields of the wrong type are refused with a :class:`ProtocolError` whose text names
 the field (``RunSpec: Expected `int`, got `str` - at `$.target_batch_size```). Sizes are bounded by
-:class:`~crowdtrain.protocol.limits.Limits` before parsing.
+:class:`~crowdtrain.protocol.limits.Limits` before parsing. What a field may hold on its own (a range, a
+length, a pattern) is stated on the field with :class:`msgspec.Meta` and refused the same way
+(``Heartbeat: Expected `int` >= 0 - at `$.samples```); rules that need more than the field (the step a run
+has reached, a join token a private run requires) are the receiver's. JSON carries no NaN or infinity
+(``1e999`` is refused as "Number out of range"), so every float decoded is finite.
 
 Who sends what:
 
@@ -19,9 +23,10 @@ Who sends what:
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+from msgspec import Meta
 
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
@@ -36,6 +41,22 @@ PEER_PROTOCOL = 3
 CodecName = Literal["none", "fp16", "bf16", "int8"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly
+
+# Field constraints. A pattern's ``$`` also matches before a final newline: the lengths rule that out.
+Count = Annotated[int, Meta(ge=0, le=MAX_INT)]  # a step, a number of samples
+Rate = Annotated[float, Meta(ge=0, le=1e12)]  # samples per second
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Hex40 = Annotated[str, Meta(pattern=HEX40.pattern, max_length=40)]  # a v1 info-hash
+Hex64 = Annotated[str, Meta(pattern=HEX64.pattern, max_length=64)]  # a sha256, an Ed25519 public key
+PARAM_HASH = r"^([0-9a-f]{64})?$"
+Label = Annotated[str, Meta(max_length=100)]  # a short free text a peer reports about itself
+# how a pattern reads in an error ("Expected `str` of 64 lowercase hex characters - at `$.public_key`")
+_PATTERN_WORDS = {
+    HEX40.pattern: "40 lowercase hex characters",
+    HEX64.pattern: "64 lowercase hex characters",
+    PARAM_HASH: "64 lowercase hex characters (or empty)",
+}
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -48,7 +69,8 @@ class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
 class ModelSpec(Message, kw_only=True):
     recipe: str  # a name in the built-in recipes or the ``crowdtrain.models`` entry-point group
     args: dict[str, int | float | str | bool] = {}
-    param_hash: str = ""  # sha256 of parameter names, shapes and dtypes; "" = filled in by `run create`
+    # sha256 of parameter names, shapes and dtypes; "" = filled in by `run create` (a tracker refuses "")
+    param_hash: Annotated[str, Meta(pattern=PARAM_HASH, max_length=64)] = ""
 
 
 class OptimizerSpec(Message, kw_only=True):
@@ -113,7 +135,7 @@ class DatasetManifest(Message, kw_only=True):
 
 
 class DatasetRef(Message, kw_only=True):
-    infohash: str  # v1 info-hash, 40 lowercase hex characters
+    infohash: Hex40
     manifest: DatasetManifest
     web_seed: str | None = None
 
@@ -189,13 +211,13 @@ class Credential(Message, kw_only=True):
 
 class JoinRequest(Message, kw_only=True):
     version: Version = VERSION
-    public_key: str
+    public_key: Hex64
     # "host:port" of the peer server; ":port" = "at the address you see this request come from" (the
     # default, as BitTorrent trackers do); None = client mode (behind NAT)
     address: str | None = None
     token: str | None = None
-    device: str = "cpu"
-    client_version: str = ""
+    device: Label = "cpu"
+    client_version: Label = ""
     peer_protocol: int = 1
 
 
@@ -214,21 +236,21 @@ class JoinResponse(Message, kw_only=True):
 
 
 class StateVersion(Message, kw_only=True):
-    step: int
-    content_hash: str  # sha256 hex of the whole snapshot
-    size: int
+    step: Count
+    content_hash: Hex64  # sha256 of the whole snapshot
+    size: Annotated[int, Meta(ge=0, le=1 << 42)]
 
 
 class Heartbeat(Message, kw_only=True):
     version: Version = VERSION
     peer_id: str
-    step: int  # the global step this peer is accumulating for
-    samples: int  # samples accumulated toward ``step``
-    samples_per_s: float
+    step: Count  # the global step this peer is accumulating for
+    samples: Count  # samples accumulated toward ``step``
+    samples_per_s: Rate
     address: str | None = None  # as in JoinRequest
-    chunks_held: int = 0
+    chunks_held: Count = 0
     loss: float | None = None
-    bt_port: int | None = None  # the port its BitTorrent session listens on (the tracker checks it)
+    bt_port: Port | None = None  # the port its BitTorrent session listens on (the tracker checks it)
     computing: bool = True  # False: what it computes does not count now (catching up, or no chunk yet)
     # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
     compute_share: float | None = None
@@ -273,10 +295,10 @@ class ReadyRequest(Message, kw_only=True):
 
     version: Version = VERSION
     peer_id: str
-    step: int
-    weight: int  # samples accumulated toward ``step``; 0 is allowed (the peer still gets the average)
+    step: Count
+    weight: Count  # samples accumulated toward ``step``; 0 is allowed (the peer still gets the average)
     # delay 1: samples already computed toward ``step + 1`` (while waiting for ``step`` to close)
-    ahead: int = 0
+    ahead: Count = 0
 
 
 class GroupMember(Message, kw_only=True):
@@ -331,7 +353,7 @@ class StateDeclare(Message, kw_only=True):
     state: StateVersion  # its newest snapshot
     # older snapshots it still serves (at most MAX_DECLARED_STATES - 1): peers that snapshot the same steps a
     # little apart in time still back one version together
-    older: list[StateVersion] = []
+    older: Annotated[list[StateVersion], Meta(max_length=MAX_DECLARED_STATES - 1)] = []
 
 
 class Donor(Message, kw_only=True):
@@ -440,7 +462,7 @@ def decode(data: bytes | str, kind: type[M], limits: Limits = DEFAULT_LIMITS) ->
     try:
         return msgspec.json.decode(data, type=kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise ProtocolError(f"{kind.__name__}: {exc}") from None
+        raise _invalid(kind, exc) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # the latter: bad UTF-8 inside a key
         raise ProtocolError(f"{kind.__name__} is not valid JSON: {exc}") from None
 
@@ -450,7 +472,14 @@ def convert(obj: Any, kind: type[M]) -> M:
     try:
         return msgspec.convert(obj, type=kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise ProtocolError(f"{kind.__name__}: {exc}") from None
+        raise _invalid(kind, exc) from None
+
+
+def _invalid(kind: type[Message], exc: msgspec.ValidationError) -> ProtocolError:
+    text = str(exc)
+    for pattern, words in _PATTERN_WORDS.items():
+        text = text.replace(f"matching regex {pattern!r}", f"of {words}")
+    return ProtocolError(f"{kind.__name__}: {text}")
 
 
 def replace(msg: M, **changes: Any) -> M:
@@ -464,5 +493,5 @@ class DatasetRegistration(Message, kw_only=True):
     """publisher → tracker (admin): serve BitTorrent announces for this info-hash."""
 
     version: Version = VERSION
-    infohash: str  # v1 info-hash, 40 lowercase hex characters
-    name: str
+    infohash: Hex40
+    name: Annotated[str, Meta(min_length=1, max_length=200)]

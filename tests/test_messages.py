@@ -1,12 +1,13 @@
 """Every control message round-trips through encode/decode; decoding is strict and names the field.
 
-The strategies are derived from the schemas themselves (msgspec.inspect), so a message added to
-crowdtrain.protocol.messages is covered without touching this file.
+The strategies are derived from the schemas themselves (msgspec.inspect), constraints included, so a
+message added to crowdtrain.protocol.messages is covered without touching this file.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import msgspec
 import msgspec.inspect as mi
@@ -28,21 +29,32 @@ ALL_MESSAGES = sorted(
 )
 VERSIONED = [cls for cls in ALL_MESSAGES if "version" in cls.__struct_fields__]
 
-INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-# JSON has no NaN or inf: msgspec writes them as null, which a float field then refuses (see below).
-FLOAT = st.floats(allow_nan=False, allow_infinity=False)
-TEXT = st.text(max_size=20)
+
+def _only_ge_and_le(t: mi.IntType | mi.FloatType) -> None:
+    assert t.gt is None and t.lt is None and t.multiple_of is None, f"teach tests/test_messages.py {t!r}"
+
+
+def fits(t: mi.StrType, text: str) -> bool:
+    return (t.min_length or 0) <= len(text) <= (t.max_length or len(text)) and (
+        t.pattern is None or re.search(t.pattern, text) is not None
+    )
 
 
 def strategy_for(t: mi.Type) -> st.SearchStrategy:
     if isinstance(t, mi.StructType):
         return struct_strategy(t)
     if isinstance(t, mi.IntType):
-        return INT64
+        _only_ge_and_le(t)
+        low = -(2**63) if t.ge is None else t.ge
+        return st.integers(min_value=low, max_value=2**63 - 1 if t.le is None else t.le)
     if isinstance(t, mi.FloatType):
-        return FLOAT
+        _only_ge_and_le(t)
+        # JSON has no NaN or inf: msgspec writes them as null, which a float field then refuses (see below).
+        return st.floats(min_value=t.ge, max_value=t.le, allow_nan=False, allow_infinity=False)
     if isinstance(t, mi.StrType):
-        return TEXT
+        if t.pattern is not None:
+            return st.from_regex(t.pattern, fullmatch=True).filter(lambda text: fits(t, text))
+        return st.text(min_size=t.min_length or 0, max_size=min(20, t.max_length or 20))
     if isinstance(t, mi.BoolType):
         return st.booleans()
     if isinstance(t, mi.NoneType):
@@ -52,7 +64,7 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy:
     if isinstance(t, mi.UnionType):
         return st.one_of(*(strategy_for(x) for x in t.types))
     if isinstance(t, mi.ListType):
-        return st.lists(strategy_for(t.item_type), max_size=3)
+        return st.lists(strategy_for(t.item_type), max_size=min(3, t.max_length or 3))
     if isinstance(t, mi.DictType):
         return st.dictionaries(strategy_for(t.key_type), strategy_for(t.value_type), max_size=3)
     raise AssertionError(f"add a strategy for {t!r} to tests/test_messages.py")
@@ -81,7 +93,14 @@ def minimal(t: mi.Type):
         return minimal(next((x for x in t.types if not isinstance(x, mi.NoneType)), t.types[0]))
     if isinstance(t, mi.LiteralType):
         return t.values[0]
-    simple = {mi.IntType: 0, mi.FloatType: 0.5, mi.StrType: "x", mi.BoolType: False, mi.NoneType: None}
+    if isinstance(t, mi.StrType):
+        text = next((x for x in ("x", "0" * 40, "0" * 64) if fits(t, x)), None)
+        assert text is not None, f"add a value for {t!r} to tests/test_messages.py"
+        return text
+    if isinstance(t, mi.IntType | mi.FloatType):
+        value = 0 if isinstance(t, mi.IntType) else 0.5
+        return max(value, t.ge) if t.ge is not None else value
+    simple = {mi.BoolType: False, mi.NoneType: None}
     for kind, value in simple.items():
         if isinstance(t, kind):
             return value
@@ -162,6 +181,52 @@ def test_nested_ill_typed_field_names_its_path():
         ProtocolError, match=r"RunSpec: Expected `int`, got `str` - at `\$\.averaging\.group_size`"
     ):
         messages.decode(json.dumps(obj), messages.RunSpec)
+
+
+STATE = {"step": 0, "content_hash": "ab" * 32, "size": 1}
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value", "problem"),
+    [
+        (messages.Heartbeat, "step", -1, "Expected `int` >= 0"),
+        (messages.Heartbeat, "samples", 2**53 + 1, "Expected `int` <= 9007199254740992"),
+        (messages.Heartbeat, "samples_per_s", -0.5, "Expected `float` >= 0.0"),
+        (messages.Heartbeat, "bt_port", 0, "Expected `int` >= 1"),
+        (messages.Heartbeat, "bt_port", 65536, "Expected `int` <= 65535"),
+        (messages.ReadyRequest, "weight", -1, "Expected `int` >= 0"),
+        (messages.JoinRequest, "public_key", "AB" * 32, "Expected `str` of 64 lowercase hex characters"),
+        (messages.JoinRequest, "public_key", "ab" * 32 + "\n", "Expected `str` of length <= 64"),
+        (messages.JoinRequest, "device", "x" * 101, "Expected `str` of length <= 100"),
+        (messages.DatasetRegistration, "infohash", "XYZ", "Expected `str` of 40 lowercase hex characters"),
+        (messages.DatasetRegistration, "name", "", "Expected `str` of length >= 1"),
+        (messages.ModelSpec, "param_hash", "zz", "Expected `str` of 64 lowercase hex characters (or empty)"),
+        (messages.StateDeclare, "older", [STATE] * 4, "Expected `array` of length <= 3"),
+    ],
+)
+def test_a_field_out_of_its_range_is_refused_naming_it(cls, field, value, problem):
+    """The schemas state what each field may hold; decode and convert (a TOML spec) refuse the rest alike."""
+    obj = sample_json(cls)
+    obj[field] = value
+    expected = f"{cls.__name__}: {problem} - at `$.{field}`"
+    with pytest.raises(ProtocolError) as decoded:
+        messages.decode(json.dumps(obj), cls)
+    with pytest.raises(ProtocolError) as converted:
+        messages.convert(obj, cls)
+    assert str(decoded.value) == str(converted.value) == expected
+
+
+def test_the_edges_of_each_range_are_accepted():
+    hb = messages.Heartbeat(peer_id="p", step=0, samples=2**53, samples_per_s=1e12, bt_port=65535)
+    assert messages.decode(messages.encode(hb), messages.Heartbeat) == hb
+    declare = messages.StateDeclare(
+        peer_id="p",
+        state=messages.StateVersion(step=2**53, content_hash="ab" * 32, size=1 << 42),
+        older=[messages.StateVersion(step=0, content_hash="cd" * 32, size=0)] * 3,
+    )
+    assert messages.decode(messages.encode(declare), messages.StateDeclare) == declare
+    unfilled = messages.ModelSpec(recipe="mlp")  # `run create` fills in the parameter hash
+    assert messages.decode(messages.encode(unfilled), messages.ModelSpec).param_hash == ""
 
 
 def test_strict_decoding_does_not_coerce_strings_to_numbers():

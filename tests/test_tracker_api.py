@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import logging
+import re
 
 import aiohttp
 import pytest
@@ -109,6 +110,16 @@ async def test_create_needs_the_admin_token(tracker, run_id):
             400,
             "RunCreate: target_batch_size must be at least 1, got 0",
         ),
+        (
+            lambda d: d.replace(b'"param_hash":"' + b"ab" * 32, b'"param_hash":"' + b"AB" * 32),
+            400,
+            "RunCreate: Expected `str` of 64 lowercase hex characters (or empty) - at `$.model.param_hash`",
+        ),
+        (
+            lambda d: re.sub(rb'"infohash":"[0-9a-f]{40}"', b'"infohash":"XYZ"', d),
+            400,
+            "RunCreate: Expected `str` of 40 lowercase hex characters - at `$.dataset.infohash`",
+        ),
         (lambda d: b"x" * 70000, 413, "request body is larger than the tracker's limit of 65536 bytes"),
     ],
 )
@@ -197,8 +208,12 @@ async def test_join_gives_a_credential_signed_by_the_tracker(admin, run_id, trac
 
 
 async def test_join_rejects_bad_public_key_and_address(admin, run_id):
-    with pytest.raises(TrackerError, match="public_key must be 64 lowercase hex characters"):
+    with pytest.raises(TrackerError) as info:
         await admin.join(run_id, JoinRequest(public_key="zz", peer_protocol=PEER_PROTOCOL))
+    assert (info.value.status, str(info.value)) == (
+        400,
+        "JoinRequest: Expected `str` of 64 lowercase hex characters - at `$.public_key`",
+    )
     with pytest.raises(TrackerError) as info:
         await admin.join(
             run_id, JoinRequest(public_key="ab" * 32, address="nohost", peer_protocol=PEER_PROTOCOL)
@@ -324,7 +339,13 @@ async def test_malformed_heartbeat_names_the_field(tracker, admin, run_id):
         ),
         (
             json.dumps({"peer_id": v.peer_id, "step": -1, "samples": 1, "samples_per_s": 1.0}).encode(),
-            "Heartbeat: step, samples and chunks_held must be non-negative integers",
+            "Heartbeat: Expected `int` >= 0 - at `$.step`",
+        ),
+        (
+            json.dumps(
+                {"peer_id": v.peer_id, "step": 0, "samples": 1, "samples_per_s": 1.0, "bt_port": 0}
+            ).encode(),
+            "Heartbeat: Expected `int` >= 1 - at `$.bt_port`",
         ),
     ]:
         headers = sign_headers(v.key, v.joined.credential, "tracker", path, hashlib.sha256(body).hexdigest())
@@ -440,7 +461,10 @@ async def test_state_of_a_step_a_peer_skipped_is_refused_and_repeated_refusals_d
 async def test_state_declare_validates(admin, run_id):
     v = SimVolunteer(admin, run_id)
     await v.join()
-    with pytest.raises(TrackerError, match=r"state\.content_hash must be 64 lowercase hex characters"):
+    with pytest.raises(
+        TrackerError,
+        match=r"^StateDeclare: Expected `str` of 64 lowercase hex characters - at `\$\.state\.content_hash`$",
+    ):
         await v.declare_state(1, "nothex", 10)
     with pytest.raises(TrackerError, match="only a peer with a reachable address can serve state"):
         await v.declare_state(1, "ab" * 32, 10)
@@ -491,8 +515,15 @@ async def test_join_rate_limit_per_address():
 
 
 async def test_register_dataset_validates(admin):
-    with pytest.raises(TrackerError, match="infohash must be 40 lowercase hex characters"):
+    with pytest.raises(
+        TrackerError,
+        match=r"^DatasetRegistration: Expected `str` of 40 lowercase hex characters - at `\$\.infohash`$",
+    ):
         await admin.register_dataset("XYZ", "x")
+    with pytest.raises(
+        TrackerError, match=r"^DatasetRegistration: Expected `str` of length >= 1 - at `\$\.name`$"
+    ):
+        await admin.register_dataset("ab" * 20, "")
     reg = await admin.register_dataset("ab" * 20, "my set")
     assert (reg.infohash, reg.name) == ("ab" * 20, "my set")
 
