@@ -56,6 +56,22 @@ def peak_of(pid: int) -> int:
     return peak_bytes(Path(f"/proc/{pid}/status").read_text())
 
 
+def report(what: str, peaks: list[int], procs: list[Proc]) -> None:
+    """One line as soon as a figure is measured (a long run shows its progress), with each process's resident
+    memory now split into anonymous and file-backed pages."""
+    now = []
+    for p in procs:
+        fields = dict(
+            line.split(":", 1)
+            for line in Path(f"/proc/{p.proc.pid}/status").read_text().splitlines()
+            if ":" in line
+        )
+        now.append(f"{p.name} anon {fields['RssAnon'].strip()}, file {fields['RssFile'].strip()}")
+    print(
+        f"{what}: peaks {', '.join(f'{v / 1e9:.2f} GB' for v in peaks)} (now: {'; '.join(now)})", flush=True
+    )
+
+
 async def wait_for(predicate, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while not predicate():
@@ -88,6 +104,7 @@ async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) ->
                 args.timeout, f"{args.late_at} steps and a snapshot",
             )  # fmt: skip
             peaks["stepping"] = [peak_of(p.proc.pid) for p in donors]
+            report("stepping", peaks["stepping"], donors)
             await start_volunteer(newcomer, tracker.url, spec.run_id, workdir, args)
             loaded = lambda: any(isinstance(e, ev.StateLoaded) for e in newcomer.events)  # noqa: E731
             await wait_for(loaded, args.timeout, "the newcomer to load the state")
@@ -95,6 +112,8 @@ async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) ->
             await wait_for(lambda: stepped(newcomer, took + 1), args.timeout, "the newcomer's next step")
             peaks["serving"] = [peak_of(p.proc.pid) for p in donors]
             peaks["catching up"] = [peak_of(newcomer.proc.pid)]
+            report("serving", peaks["serving"], donors)
+            report("catching up", peaks["catching up"], [newcomer])
         except BaseException:
             print(tails(procs), file=sys.stderr)
             for p in procs:  # what was measured before it stopped (a timeout, Ctrl-C)

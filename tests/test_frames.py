@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size
+from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, Residual, raw_size
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.frames import (
     HEADER_SIZE,
@@ -25,6 +25,8 @@ from crowdtrain.protocol.frames import (
     parse_header,
 )
 from crowdtrain.protocol.limits import Limits
+from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.wire import Coder
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=0, max_side=12)
 values = st.floats(min_value=-1e4, max_value=1e4, width=32)
@@ -180,3 +182,28 @@ def test_magic_and_checksum_layout():
     assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
     assert struct.unpack_from("<Q", frame, 88)[0] == xxhash.xxh3_64_intdigest(frame[HEADER_SIZE:])
     assert struct.unpack_from("<I", frame, 88)[0] != zlib.crc32(frame[HEADER_SIZE:])  # not version 1's
+
+
+def test_a_bfloat16_residual_keeps_values_within_2_to_the_minus_8_and_its_slices_are_views():
+    values = np.linspace(-3e-3, 5e-3, 1000, dtype=np.float32)
+    residual = Residual.zeros(1200)
+    residual[100:1100].keep(values)
+    got = residual.values()
+    assert not got[:100].any() and not got[1100:].any()
+    assert np.allclose(got[100:1100], values, rtol=2.0**-8, atol=0)
+    assert residual.bits.nbytes == 2 * 1200
+
+
+def test_error_feedback_through_a_bfloat16_residual_keeps_the_running_sum_within_one_step():
+    # What an averaging peer does each round with its int8 codec: the quantisation error of each encode is
+    # carried into the next, so the sum of what was sent tracks the sum of the inputs. Without the feedback
+    # the error would grow by up to half a step every round (a hundred rounds here).
+    coder = Coder(AveragingConfig(codec=Codec.INT8))
+    x = (np.random.default_rng(3).standard_normal(20_000) * 1e-3).astype(np.float32)
+    residual = Residual.zeros(x.size)
+    sent_sum = np.zeros(x.size, dtype=np.float64)
+    for _ in range(100):
+        _, _, sent = coder.encode_sent(x, residual)
+        sent_sum += sent
+    step = float(np.abs(x).max()) / 127
+    assert np.abs(sent_sum - 100 * x.astype(np.float64)).max() <= step

@@ -47,12 +47,14 @@ from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import (
     AveragingError,
     CrowdtrainError,
+    ProtocolError,
     RecipeError,
     StateSyncError,
     TrackerError,
 )
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
+    DonorList,
     GroupAssignment,
     Heartbeat,
     HeartbeatReply,
@@ -72,7 +74,7 @@ from crowdtrain.volunteer.models import check_param_hash, get_recipe
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
-from crowdtrain.volunteer.state.snapshot import load_snapshot, save_snapshot
+from crowdtrain.volunteer.state.snapshot import load_snapshot, read_snapshot_header, save_snapshot
 from crowdtrain.volunteer.trainer import Trainer, resolve_device
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,8 @@ IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step
 # peers' snapshots on the same steps (those of a slower writer are a subset), so a newcomer finds several
 # donors of one version.
 SNAPSHOT_SPACING = 4.0
+# A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
+STATE_POLL_S = 5.0
 
 
 class _Replay:
@@ -99,6 +103,11 @@ class _Replay:
 
     def __contains__(self, step: int) -> bool:
         return step in self._steps
+
+    @property
+    def first(self) -> int | None:
+        """The earliest step held (None when empty)."""
+        return min(self._steps, default=None)
 
     def _path(self, step: int, what: str) -> Path:
         return self.folder / f"replay-{step}-{what}.npy"
@@ -1144,10 +1153,32 @@ class Volunteer:
     def _start_catch_up(self) -> None:
         if self._pending_state is None or self._pending_state.done():
             self._phase("catching-up")
-            self._pending_state = asyncio.get_running_loop().create_task(self._fetch_state())
+            # averages are kept for the replay from the round of this step on (or from the earliest kept)
+            replay_from = self.step if self._replay.first is None else self._replay.first
+            self._pending_state = asyncio.get_running_loop().create_task(self._fetch_state(replay_from))
 
-    async def _fetch_state(self):
-        donors = await self.tracker.donors(self.config.run_id)
+    async def _newest_donors(self, replay_from: int) -> DonorList:
+        """The tracker's donor list, once it lists a state this peer can replay from (of step ≥
+        ``replay_from``). An older one would be fetched for nothing: the averages between its step and
+        ``replay_from`` passed before this peer kept them. Donors write snapshots every few steps (the
+        larger the state, the fewer), so a newcomer usually waits for the next one."""
+        said = False
+        while True:
+            donors = await self.tracker.donors(self.config.run_id)
+            if donors.state is None or donors.state.step >= replay_from:
+                return donors
+            if not said:
+                self._note(
+                    logging.INFO,
+                    "the newest state served is of step %d; waiting for one of step %d or later to fetch",
+                    donors.state.step,
+                    replay_from,
+                )
+                said = True
+            await asyncio.sleep(min(STATE_POLL_S, max(0.2, self._step_s / 2)) if self._step_s else 1.0)
+
+    async def _fetch_state(self, replay_from: int):
+        donors = await self._newest_donors(replay_from)
         if donors.state is None and donors.serving:
             raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
         if donors.state is None or not donors.donors:
@@ -1170,9 +1201,12 @@ class Volunteer:
                 emit=self.emit,
                 into=incoming,  # written as it is verified: never held in memory whole
             )
-            return await asyncio.to_thread(load_snapshot, path)
-        finally:
+        except BaseException:
             incoming.unlink(missing_ok=True)
+            raise
+        # read when the peer switches to it, straight into the model (a copy of the state read now would be
+        # held beside the model meanwhile)
+        return path
 
     async def _switch_to_fetched_state(self) -> None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
@@ -1181,16 +1215,20 @@ class Volunteer:
             await self._conclude(await self._await_round())  # kept for the replay: still catching up
         task, self._pending_state = self._pending_state, None
         replay = self._replay
+        fetched: Path | None = None
         try:
-            loaded = task.result()
-        except (StateSyncError, TrackerError) as exc:
+            fetched = task.result()
+            header = None if fetched is None else await asyncio.to_thread(read_snapshot_header, fetched)
+        except (StateSyncError, TrackerError, ProtocolError) as exc:
+            if fetched is not None:
+                fetched.unlink(missing_ok=True)
             replay.clear()
             # Its parameters are not the run's: keep taking part with weight 0 and try again.
             self._note(logging.WARNING, "state catch-up failed (%s); trying again", exc)
             await asyncio.sleep(1.0)
             self._start_catch_up()
             return
-        if loaded is None:
+        if fetched is None or header is None:
             replay.clear()
             self._applied = max(0, self.step - self.delay)
             if self.record:
@@ -1212,23 +1250,28 @@ class Volunteer:
         # of step ``target`` is applied when the current step closes, as every peer does.
         target = max(0, self.step - self.delay)
         pending_step = target if self.delay and self.step > 0 else None
-        needed = range(loaded.step, self.step if pending_step is not None else target)
+        needed = range(header.step, self.step if pending_step is not None else target)
         missing = [s for s in needed if s not in replay]
         if missing:
+            fetched.unlink(missing_ok=True)
             replay.clear()
             self._note(
                 logging.INFO,
                 "state of step %d arrived but steps %s passed unseen; fetching a newer one",
-                loaded.step,
+                header.step,
                 missing,
             )
             self._start_catch_up()
             return
         await self._snapshot_written()
-        # the loaded tensors are read from a file for this alone: the optimizer may keep them (no copy)
-        await asyncio.to_thread(
-            self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
-        )
+        try:
+            # the model's tensors are read in place, the optimizer's into fresh ones it keeps (no copy)
+            loaded = await asyncio.to_thread(load_snapshot, fetched, into=self.trainer.model.state_dict())
+            await asyncio.to_thread(
+                self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
+            )
+        finally:
+            fetched.unlink(missing_ok=True)
         for s in range(loaded.step, target):
             grad, params = await asyncio.to_thread(replay.take, s)
             if self.delay and params is not None:

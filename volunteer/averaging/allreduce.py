@@ -55,6 +55,7 @@ import numpy as np
 from aiohttp import web
 
 from crowdtrain.protocol import peerauth
+from crowdtrain.protocol.codecs import Residual
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
@@ -77,7 +78,6 @@ log = logging.getLogger(__name__)
 
 ROUTE = "/v1/allreduce/{round_id}/{tag}/{part}"
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_SPARE_LENGTHS = 4  # part lengths whose receive buffers are kept between rounds
 _NETWORK_ERRORS = (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError, OSError, TimeoutError)
 
 
@@ -174,13 +174,15 @@ class Averager:
         self._rounds: dict[str, _Round] = {}
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._registered: asyncio.Condition | None = None
-        # error feedback of lossy codecs, per tag over the whole vector: what I send, what I answer with
-        self._residuals: dict[str, np.ndarray] = {}
-        self._down_residuals: dict[str, np.ndarray] = {}
+        # error feedback of lossy codecs, per tag: what I send (over the whole vector) and what I answer
+        # with (over the part I own, with its bounds: a part that moves starts afresh)
+        self._residuals: dict[str, Residual] = {}
+        self._down_residuals: dict[str, tuple[tuple[int, int], Residual]] = {}
         self._session: aiohttp.ClientSession | None = None
-        # buffers that received the copies of my part in earlier rounds, by length, reused next round: a
-        # fresh one costs page faults and zeroing (~15 % of a round's CPU for 10M values in a group of 4)
-        self._spare: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
+        # buffers that received the copies of my part in earlier rounds, reused next round: a fresh one
+        # costs page faults and zeroing (~15 % of a round's CPU for 10M values in a group of 4). A buffer
+        # serves any part as long or shorter, so a group that grows (shorter parts) allocates nothing.
+        self._spare: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ public
 
@@ -297,11 +299,15 @@ class Averager:
             raise AveragingError(
                 f"round {key} reached its deadline before it started; wait for the next group"
             )
-        if self.config.codec.lossy:
-            for store in (self._residuals, self._down_residuals):
-                if store.get(tag, np.empty(0)).size != vector.size:
-                    store[tag] = np.zeros(vector.size, dtype=np.float32)
         bounds = part_bounds(vector.size, a.parts)
+        if self.config.codec.lossy:
+            up = self._residuals.get(tag)
+            if up is None or up.size != vector.size:
+                self._residuals[tag] = Residual.zeros(vector.size)
+            down = self._down_residuals.get(tag)
+            if me.part >= 0 and (down is None or down[0] != bounds[me.part]):
+                start, stop = bounds[me.part]
+                self._down_residuals[tag] = ((start, stop), Residual.zeros(stop - start))
         uniform = all(m.weight == 0 for m in a.members)
         rnd = _Round(key, a, members, bounds, me.part, a.deadline, uniform, tag, None)
         # every value of the output is written: the reduced part, a decoded answer, or my own for a failed part
@@ -329,22 +335,24 @@ class Averager:
         return rnd
 
     def _take_buffer(self, length: int) -> np.ndarray:
-        spare = self._spare.get(length)
-        if spare:
-            self._spare.move_to_end(length)
-            return spare.pop()
+        """A buffer of ``length`` values: the shortest spare that holds them (a view of its start), or a
+        new one."""
+        fitting = [i for i, b in enumerate(self._spare) if b.size >= length > 0]
+        if fitting:
+            best = min(fitting, key=lambda i: self._spare[i].size)
+            return self._spare.pop(best)[:length]
         return np.empty(length, dtype=np.float32)
 
     def _give_back(self, red: PartReducer) -> None:
         """Keep the buffers of the copies read completely for the next round (a buffer a request may still
-        be writing into is never kept: only accepted copies, whose reads are over, come back)."""
-        spare = self._spare.setdefault(red.length, [])
-        self._spare.move_to_end(red.length)
+        be writing into is never kept: only accepted copies, whose reads are over, come back). The largest
+        are kept, as many as this round's other members: a group that shrank (longer parts) leaves its
+        shorter buffers to be freed rather than held beside the new ones."""
         for c in red.contributions.values():
-            if c.owned and c.values is not None and len(spare) < len(red.members):
-                spare.append(c.values)
-        while len(self._spare) > _SPARE_LENGTHS:  # e.g. a gradient, its parameters and a 1-value sync
-            self._spare.popitem(last=False)
+            if c.owned and c.values is not None and c.values.size:
+                self._spare.append(c.values if c.values.base is None else c.values.base)
+        self._spare.sort(key=lambda b: b.size, reverse=True)
+        del self._spare[max(0, len(red.members) - 1) :]
 
     async def _announce(self) -> None:
         if self._registered is None:
@@ -399,9 +407,8 @@ class Averager:
         and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
         """
         PartReducer.reduce_slice(terms, a, b, out[a:b])
-        start, _ = rnd.bounds[rnd.my_part]
-        residual = self._down_residuals.get(rnd.tag)
-        res = None if residual is None else residual[start + a : start + b]
+        kept = self._down_residuals.get(rnd.tag)
+        res = kept[1][a:b] if kept is not None and kept[0] == rnd.bounds[rnd.my_part] else None
         header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
         if self.config.codec.lossy:
             out[a:b] = sent

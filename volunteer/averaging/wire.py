@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 from aiohttp import StreamReader
 
-from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, raw_size, untransform
+from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, Residual, raw_size, untransform
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, checksum, pack_header, parse_header
 from crowdtrain.volunteer.averaging.config import AveragingConfig
@@ -57,19 +57,19 @@ class Coder:
         return self._compressor().stores(memoryview(np.ascontiguousarray(values)).cast("B"))
 
     def encode(
-        self, values: np.ndarray, residual: np.ndarray | None = None
+        self, values: np.ndarray, residual: Residual | None = None
     ) -> tuple[bytes, bytes | memoryview]:
         """One frame of ``values`` in the configured codec as (header, body) (call in a thread)."""
         header, body, _ = self.encode_sent(values, residual)
         return header, body
 
     def encode_sent(
-        self, values: np.ndarray, residual: np.ndarray | None = None, *, stored: bool = False
+        self, values: np.ndarray, residual: Residual | None = None, *, stored: bool = False
     ) -> tuple[bytes, bytes | memoryview, np.ndarray]:
         """One frame of ``values`` as (header, body) and the values its receiver will decode (in a thread).
 
-        With a lossy codec and a ``residual`` slice, the quantisation error is fed back: ``residual`` is
-        added before encoding and updated in place with what this encode dropped. ``stored`` (codec none
+        With a lossy codec and a ``residual`` (of ``values``' length), the quantisation error is fed back:
+        ``residual`` is added before encoding and then keeps what this encode dropped. ``stored`` (codec none
         only): the body is a copy of the fp32 bytes, never compressed, so the frame's length is known
         before it is encoded.
         """
@@ -83,10 +83,10 @@ class Coder:
             return pack_header(codec, (values.size,), len(raw), body), body, values
         feedback = ErrorFeedback(codec)
         if residual is not None:
-            feedback.residual = residual
+            feedback.residual = residual.values()
         raw, sent = feedback.transform(values)
         if residual is not None:
-            residual[:] = feedback.residual
+            residual.keep(feedback.residual)
         body = self._compressor().pack(raw)
         return pack_header(codec, (values.size,), len(raw), body), body, sent
 

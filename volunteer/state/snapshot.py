@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -384,9 +385,53 @@ def _assemble(header: SnapshotHeader, tensors: dict[str, torch.Tensor]) -> Loade
     )
 
 
-def load_snapshot(source: bytes | Path) -> LoadedState:
+def read_snapshot_header(path: Path) -> SnapshotHeader:
+    """The crowdtrain header of a snapshot file (its step, run, recipe), without reading its tensors."""
+    with open(path, "rb") as f:
+        header, _, _, _ = _read_table(f)
+    return header
+
+
+def _read_table(
+    f: BinaryIO,
+) -> tuple[SnapshotHeader, list[tuple[str, torch.dtype, list[int], int]], int, int]:
+    """The header and every tensor's (name, dtype, shape, data offset) of an open snapshot file, in file
+    order, each checked against the file's size; and where the tensor data starts and ends."""
+    total = os.fstat(f.fileno()).st_size
+    first = f.read(8)
+    size = int.from_bytes(first, "little") if len(first) == 8 else 0
+    head = first + f.read(min(size, 100 * MiB))
+    header, table, base = _read_header(head)
+    entries = []
+    expected = 0
+    for name, entry in sorted(table.items(), key=lambda kv: _offsets(kv[0], kv[1])[0]):
+        begin, end = _offsets(name, entry)
+        dtype = _TORCH_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            dtype is None
+            or not isinstance(shape, list)
+            or not all(isinstance(d, int) and d >= 0 for d in shape)
+        ):
+            raise ProtocolError(f"state snapshot tensor {name!r} has a bad dtype or shape")
+        if begin != expected or end - begin != math.prod(shape) * dtype.itemsize or base + end > total:
+            raise ProtocolError(f"state snapshot tensor {name!r} has bad data offsets")
+        expected = end
+        entries.append((name, dtype, shape, base + begin))
+    if base + expected != total:
+        raise ProtocolError("state snapshot has bytes after its last tensor")
+    return header, entries, base, total
+
+
+def load_snapshot(source: bytes | Path, *, into: Mapping[str, torch.Tensor] | None = None) -> LoadedState:
     """Parse a snapshot (from a peer: already checked against the content hash) without pickle: its bytes,
     or a file, read tensor by tensor into fresh tensors (never held twice in memory).
+
+    ``into`` (a file only): the live model's ``state_dict()`` tensors. When the snapshot's model tensors
+    match them one for one (names, dtypes, shapes; contiguous CPU tensors), they are read straight into
+    them, and the returned ``model_state`` holds those very tensors: loading a state then costs no copy of
+    the model beside the model. The whole table is checked first, so a snapshot that does not match
+    changes nothing (it is read into fresh tensors as without ``into``).
 
     CPU-heavy and blocking: call ``await asyncio.to_thread(load_snapshot, source)``.
     """
@@ -398,36 +443,38 @@ def load_snapshot(source: bytes | Path) -> LoadedState:
             raise ProtocolError(f"state snapshot is not a valid safetensors file ({exc})") from None
         return _assemble(header, tensors)
     with open(source, "rb") as f:
-        total = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        size = int.from_bytes(first, "little") if len(first) == 8 else 0
-        head = first + f.read(min(size, 100 * MiB))
-        header, table, base = _read_header(head)
+        header, entries, _, _ = _read_table(f)
+        live = _live_targets(header, entries, into) if into is not None else {}
         tensors = {}
-        expected = 0
-        for name, entry in sorted(table.items(), key=lambda kv: _offsets(kv[0], kv[1])[0]):
-            begin, end = _offsets(name, entry)
-            dtype = _TORCH_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
-            shape = entry.get("shape") if isinstance(entry, dict) else None
-            if (
-                dtype is None
-                or not isinstance(shape, list)
-                or not all(isinstance(d, int) and d >= 0 for d in shape)
-            ):
-                raise ProtocolError(f"state snapshot tensor {name!r} has a bad dtype or shape")
-            count = math.prod(shape)
-            if begin != expected or end - begin != count * dtype.itemsize or base + end > total:
-                raise ProtocolError(f"state snapshot tensor {name!r} has bad data offsets")
-            expected = end
-            t = torch.empty(shape, dtype=dtype)
-            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if count else memoryview(b"")
-            f.seek(base + begin)
+        for name, dtype, shape, offset in entries:
+            t = live.get(name)
+            if t is None:
+                t = torch.empty(shape, dtype=dtype)
+            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            f.seek(offset)
             if f.readinto(view) != len(view):
                 raise ProtocolError(f"state snapshot ends inside tensor {name!r}")
             tensors[name] = t
-        if base + expected != total:
-            raise ProtocolError("state snapshot has bytes after its last tensor")
     return _assemble(header, tensors)
+
+
+def _live_targets(
+    header: SnapshotHeader,
+    entries: list[tuple[str, torch.dtype, list[int], int]],
+    into: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Stored model tensor name → the live tensor to read it into; empty unless they match one for one."""
+    stored = {name: (dtype, shape) for name, dtype, shape, _ in entries if name.startswith(MODEL_PREFIX)}
+    names = set(stored) | {a for a in header.aliases if a.startswith(MODEL_PREFIX)}
+    if names != {MODEL_PREFIX + k for k in into}:
+        return {}
+    live = {}
+    for name, (dtype, shape) in stored.items():
+        t = into[name[len(MODEL_PREFIX) :]]
+        if t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape or not t.is_contiguous():
+            return {}
+        live[name] = t
+    return live
 
 
 def _offsets(name: str, entry: Any) -> tuple[int, int]:
