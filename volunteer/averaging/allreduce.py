@@ -127,6 +127,7 @@ class _Round:
     answer_stored: bool = False  # my part's answer goes stored, with a Content-Length (see Coder.stores)
     reducer: PartReducer | None = None
     output: np.ndarray | None = None  # where the round's result is written
+    input: np.ndarray | None = None  # this peer's vector (``output`` itself when averaging in place)
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     stats: _Stats = field(default_factory=_Stats)
 
@@ -205,8 +206,12 @@ class Averager:
     ) -> RoundResult:
         """Average ``vector`` (flat float32, same length on every member) with the assignment's group.
 
-        The result is written to ``out`` when given (flat float32 of ``vector``'s length, not overlapping
-        it; a caller that averages every step can hand the same buffer back each time), else to a new array.
+        The result is written to ``out`` when given (flat float32 of ``vector``'s length; a caller that
+        averages every step can hand the same buffer back each time), else to a new array. ``out`` may be
+        ``vector`` itself (the round then costs no buffer of the vector's size): each part of it is
+        overwritten only once this peer's copy of that part was sent, and its own part is reduced a slice at
+        a time through a small buffer. A part that fails then keeps what it holds, which may be partly the
+        owner's answer: a caller averaging in place zeroes failed parts (as the engine does).
         """
         started = time.perf_counter()
         try:
@@ -287,11 +292,13 @@ class Averager:
         if vector.size > self.config.max_vector_elements:
             raise AveragingError(f"vector has {vector.size} values, above max_vector_elements")
         if out is not None and (
-            out.dtype != np.float32 or out.shape != vector.shape or np.shares_memory(out, vector)
+            out.dtype != np.float32
+            or out.shape != vector.shape
+            or (out is not vector and np.shares_memory(out, vector))
         ):
             raise AveragingError(
-                f"out must be flat float32 of {vector.size} values apart from the vector, got {out.dtype} "
-                f"with shape {out.shape}"
+                f"out must be flat float32 of {vector.size} values, the vector itself or apart from it, got "
+                f"{out.dtype} with shape {out.shape}"
             )
         if not (math.isfinite(weight) and 0 <= weight <= me.weight):
             raise AveragingError(f"weight {weight} must be between 0 and the assigned {me.weight} samples")
@@ -312,6 +319,7 @@ class Averager:
         rnd = _Round(key, a, members, bounds, me.part, a.deadline, uniform, tag, None)
         # every value of the output is written: the reduced part, a decoded answer, or my own for a failed part
         rnd.output = np.empty_like(vector) if out is None else out
+        rnd.input = vector
         if me.part >= 0 and bounds[me.part][1] > bounds[me.part][0]:  # an empty part needs no owner
             start, stop = bounds[me.part]
             rnd.reducer = PartReducer(
@@ -406,7 +414,12 @@ class Averager:
         With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
         and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
         """
-        PartReducer.reduce_slice(terms, a, b, out[a:b])
+        if rnd.output is rnd.input:  # in place: my own copy is a term, read until the slice is reduced
+            reduced = np.empty(b - a, dtype=np.float32)
+            PartReducer.reduce_slice(terms, a, b, reduced)
+            out[a:b] = reduced
+        else:
+            PartReducer.reduce_slice(terms, a, b, out[a:b])
         kept = self._down_residuals.get(rnd.tag)
         res = kept[1][a:b] if kept is not None and kept[0] == rnd.bounds[rnd.my_part] else None
         header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
