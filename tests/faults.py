@@ -1,5 +1,7 @@
-"""Real processes for the fault scenarios: volunteers (``crowdtrain join --json``) and trackers
-(``crowdtrain tracker serve``) started as subprocesses, their output read as they run, and SIGKILL.
+"""Real processes for the fault scenarios: volunteers (``crowdtrain join --json``), trackers
+(``crowdtrain tracker serve``) and seeders (``crowdtrain dataset seed``) started as subprocesses, their output
+read as they run, and SIGKILL. Starting, reading and stopping them is :class:`crowdtrain.procs.Child`, the
+helper ``crowdtrain demo`` starts its volunteers with; this module adds what each scenario reads from them.
 
 Each scenario also writes what it measured (rounds completed, samples lost, time to recover) with
 :func:`record_outcome`: one JSON object per line appended to the file named by ``CROWDTRAIN_RELIABILITY_OUT``
@@ -14,20 +16,16 @@ import contextlib
 import json
 import os
 import re
-import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from crowdtrain.protocol.errors import CrowdtrainError
+from crowdtrain.procs import Child, child_env, json_events
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.view.lines import parse_json_line
 
 OUT_ENV = "CROWDTRAIN_RELIABILITY_OUT"
 START_TIMEOUT_S = 60.0
-STOP_GRACE_S = 8.0
 
 
 def record_outcome(scenario: str, **fields: Any) -> None:
@@ -45,7 +43,7 @@ def record_outcome(scenario: str, **fields: Any) -> None:
 
 
 def subprocess_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="120")
+    return child_env(COLUMNS="120")
 
 
 async def until(predicate: Callable[[], bool], within_s: float, what: str) -> None:
@@ -62,13 +60,10 @@ async def until(predicate: Callable[[], bool], within_s: float, what: str) -> No
 class VolunteerProcess:
     """``python -m crowdtrain join RUN --json``: every event it prints is kept in ``events``."""
 
-    def __init__(self, name: str, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self.proc = proc
         self.events: list[ev.Event] = []
-        self.stderr: list[str] = []
-        self._changed = asyncio.Condition()
-        self._tasks = [asyncio.create_task(self._pump()), asyncio.create_task(self._drain())]
+        self.child: Child
 
     @classmethod
     async def start(
@@ -81,37 +76,18 @@ class VolunteerProcess:
         max_steps: int | None = None,
         extra: Sequence[str] = (),
     ) -> VolunteerProcess:
-        args = [sys.executable, "-m", "crowdtrain", "join", run_id, "--tracker", tracker_url, "--json"]
-        args += ["--data-dir", str(data_dir)]
+        args = ["join", run_id, "--tracker", tracker_url, "--json", "--data-dir", str(data_dir)]
         if max_steps is not None:
             args += ["--max-steps", str(max_steps)]
-        proc = await asyncio.create_subprocess_exec(
-            *args,
-            *extra,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=subprocess_env(),
-            start_new_session=True,
+        self = cls(name)
+        self.child = await Child.start(
+            [*args, *extra], name=name, on_line=json_events(self.events.append), env=subprocess_env()
         )
-        return cls(name, proc)
+        return self
 
-    async def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        async for raw in self.proc.stdout:
-            try:
-                event = parse_json_line(raw.decode())
-            except (CrowdtrainError, ValueError):
-                continue
-            async with self._changed:
-                self.events.append(event)
-                self._changed.notify_all()
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def _drain(self) -> None:
-        assert self.proc.stderr is not None
-        async for raw in self.proc.stderr:
-            self.stderr = [*self.stderr[-40:], raw.decode(errors="replace").rstrip()]
+    @property
+    def proc(self) -> asyncio.subprocess.Process:
+        return self.child.proc
 
     def of(self, kind: type[ev.Event]) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind)]
@@ -121,192 +97,139 @@ class VolunteerProcess:
     ) -> ev.Event:
         """The first event from index ``after`` on (seen so far or to come) for which ``match`` is true."""
         seen = after
+        found: list[ev.Event] = []
 
-        async def scan() -> ev.Event:
+        def scan() -> bool:
             nonlocal seen
-            async with self._changed:
-                while True:
-                    for event in self.events[seen:]:
-                        if match(event):
-                            return event
-                    seen = len(self.events)
-                    if self._tasks[0].done():
-                        raise AssertionError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}")
-                    await self._changed.wait()
+            for event in self.events[seen:]:
+                if match(event):
+                    found.append(event)
+                    return True
+            seen = len(self.events)
+            return False
 
         try:
-            return await asyncio.wait_for(scan(), within_s)
+            await self.child.until(scan, within_s)
         except TimeoutError:
             raise AssertionError(
                 f"{self.name}: no matching event within {within_s} s; {self.tail()}"
             ) from None
+        except EOFError:
+            raise AssertionError(f"{self.name} exited ({self.proc.returncode}): {self.tail()}") from None
+        return found[0]
 
     def tail(self) -> str:
-        return "stderr: " + " | ".join(self.stderr[-8:])
+        return "stderr: " + " | ".join(self.child.tail(8))
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
+        self.child.kill()
 
     async def wait(self, within_s: float) -> int:
-        code = await asyncio.wait_for(self.proc.wait(), within_s)
-        await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), 10)
-        return code
+        return await self.child.wait(within_s)
 
     async def stop(self) -> None:
         """SIGINT (it leaves the run cleanly), SIGKILL after a grace period."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                self.kill()
-        await self.proc.wait()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.child.stop()
 
 
 class TrackerProcess:
     """``python -m crowdtrain tracker serve --db DB --port P``; ``url`` and ``admin_token`` read from its output."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
+    def __init__(self) -> None:
         self.url = ""
         self.admin_token = ""
         self.port = 0
-        self.lines: list[str] = []
+        self.child: Child
 
     @classmethod
     async def start(cls, db: Path, *, port: int = 0, options: Sequence[str] = ()) -> TrackerProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "crowdtrain",
-            "tracker",
-            "serve",
-            "--db",
-            str(db),
-            "--port",
-            str(port),
-            *options,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        self = cls()
+        self.child = await Child.start(
+            ["tracker", "serve", "--db", str(db), "--port", str(port), *options],
+            name="tracker",
+            on_line=self._read_banner,
+            merge_stderr=True,
             env=subprocess_env(),
-            start_new_session=True,
+            keep=101,
         )
-        self = cls(proc)
-        try:
-            await asyncio.wait_for(self._read_banner(), START_TIMEOUT_S)
-        except BaseException:
-            self.kill()
-            await proc.wait()
-            raise
-        self._rest = asyncio.create_task(self._drain())
+        await _started(self.child, lambda: bool(self.url and self.admin_token), "printing its URL")
         return self
 
-    async def _read_banner(self) -> None:
-        assert self.proc.stdout is not None
-        while not (self.url and self.admin_token):
-            raw = await self.proc.stdout.readline()
-            if not raw:
-                raise AssertionError(
-                    "tracker exited before printing its URL: " + " | ".join(self.lines[-10:])
-                )
-            line = raw.decode(errors="replace").rstrip()
-            self.lines.append(line)
-            if m := re.search(r"listening on (http://\S+)", line):
-                self.url = m.group(1).rstrip("/")
-                self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
-            if m := re.search(r"admin token: (\S+)", line):
-                self.admin_token = m.group(1)
+    def _read_banner(self, line: str) -> None:
+        if self.url and self.admin_token:
+            return
+        if m := re.search(r"listening on (http://\S+)", line):
+            self.url = m.group(1).rstrip("/")
+            self.port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        if m := re.search(r"admin token: (\S+)", line):
+            self.admin_token = m.group(1)
 
-    async def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        async for raw in self.proc.stdout:
-            self.lines = [*self.lines[-100:], raw.decode(errors="replace").rstrip()]
+    @property
+    def proc(self) -> asyncio.subprocess.Process:
+        return self.child.proc
+
+    @property
+    def lines(self) -> list[str]:
+        return list(self.child.lines)
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
+        self.child.kill()
 
     async def close(self) -> None:
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGINT)
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                self.kill()
-        await self.proc.wait()
-        if hasattr(self, "_rest"):
-            await asyncio.wait_for(asyncio.gather(self._rest, return_exceptions=True), 10)
+        await self.child.stop()
 
 
 class SeederProcess:
     """``python -m crowdtrain dataset seed DIR --json``: the data set's seeder as a process of its own."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
-        self.proc = proc
-        self.port = port
-        self._rest = asyncio.create_task(self._drain())
+    def __init__(self) -> None:
+        self.port = 0
+        self.seeding = False
+        self.child: Child
 
     @classmethod
     async def start(
         cls, data_dir: Path, tracker_url: str, admin_token: str, *, upload_limit: int = 0
     ) -> SeederProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "crowdtrain",
-            "dataset",
-            "seed",
-            str(data_dir),
-            "--tracker",
-            tracker_url,
-            "--host",
-            "127.0.0.1",
-            "--upload-limit",
-            str(upload_limit),
-            "--json",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+        self = cls()
+        args = ["dataset", "seed", str(data_dir), "--tracker", tracker_url, "--host", "127.0.0.1"]
+        self.child = await Child.start(
+            [*args, "--upload-limit", str(upload_limit), "--json"],
+            name="seeder",
+            on_line=self._read_seeding,
+            merge_stderr=True,
             env=dict(subprocess_env(), CROWDTRAIN_ADMIN_TOKEN=admin_token),
-            start_new_session=True,
         )
-        assert proc.stdout is not None
-        lines: list[str] = []
-        try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                while True:
-                    raw = await proc.stdout.readline()
-                    if not raw:
-                        raise AssertionError("seeder exited before seeding: " + " | ".join(lines[-10:]))
-                    lines.append(raw.decode(errors="replace").rstrip())
-                    with contextlib.suppress(ValueError):
-                        data = json.loads(lines[-1])
-                        if isinstance(data, dict) and data.get("event") == "Seeding":
-                            return cls(proc, int(data["port"]))
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise
+        await _started(self.child, lambda: self.seeding, "seeding")
+        return self
 
-    async def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        async for _ in self.proc.stdout:
-            pass
+    def _read_seeding(self, line: str) -> None:
+        with contextlib.suppress(ValueError):
+            data = json.loads(line)
+            if not self.seeding and isinstance(data, dict) and data.get("event") == "Seeding":
+                self.port, self.seeding = int(data["port"]), True
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process:
+        return self.child.proc
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
+        self.child.kill()
 
     async def close(self) -> None:
-        self.kill()
-        await self.proc.wait()
-        await asyncio.wait_for(asyncio.gather(self._rest, return_exceptions=True), 10)
+        await self.child.stop(grace_s=0)
+
+
+async def _started(child: Child, ready: Callable[[], bool], what: str) -> None:
+    """Wait until ``ready()`` (read from ``child``'s output); SIGKILL it if that fails."""
+    try:
+        await child.until(ready, START_TIMEOUT_S)
+    except EOFError:
+        await child.stop(grace_s=0)
+        raise AssertionError(f"{child.name} exited before {what}: " + " | ".join(child.tail(10))) from None
+    except BaseException:
+        await child.stop(grace_s=0)
+        raise
 
 
 def losses_on_a_fixed_batch(

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
+import functools
 import sys
 import tempfile
 import time
@@ -22,25 +21,28 @@ from pathlib import Path
 import typer
 
 from crowdtrain.commands.common import run_async
+from crowdtrain.procs import Child, json_events, stop_processes
 from crowdtrain.protocol.errors import ConfigError, CrowdtrainError
 
 DEMO_CHUNK_BYTES = 64 * 1024
 DEMO_MAX_BYTES = 3 * 1024 * 1024
 DEMO_SEEDER_RATE = 1_000_000  # bytes/s: slow enough that volunteers also fetch chunks from each other
-STOP_GRACE_S = 8.0
 
 
 @dataclass(slots=True)
 class VolunteerProc:
     name: str
-    proc: asyncio.subprocess.Process | None = None
+    child: Child | None = None
     state: object = None  # a ViewState
     first_losses: list[float] = field(default_factory=list)
     last_losses: list[float] = field(default_factory=list)
     bytes_sent: int = 0
     raw_bytes: int = 0
     downloaded: int = 0
-    stderr_tail: list[str] = field(default_factory=list)
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process | None:
+        return None if self.child is None else self.child.proc
 
 
 def demo(
@@ -150,63 +152,34 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
 async def _run_volunteers(
     procs, tracker_url, run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live
 ):
-    from crowdtrain.volunteer.view.lines import parse_json_line, plain_line
+    from crowdtrain.volunteer import events as ev
+    from crowdtrain.volunteer.view.lines import plain_line
     from crowdtrain.volunteer.view.state import apply
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def on_event(p: VolunteerProc, event: ev.Event) -> None:
+        p.state = apply(p.state, event)
+        if isinstance(event, ev.StepDone) and event.loss is not None:  # its mean loss over the step
+            if len(p.first_losses) < 3:
+                p.first_losses.append(event.loss)
+            p.last_losses = [*p.last_losses[-2:], event.loss]
+        elif isinstance(event, ev.RoundDone):
+            p.bytes_sent += event.bytes_sent
+            p.raw_bytes += event.raw_bytes
+        elif isinstance(event, ev.TorrentStats):
+            p.downloaded = event.downloaded
+        if plain and isinstance(event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed):
+            line = plain_line(event)
+            if line:
+                console.print(f"{p.name}: {line}", markup=False, highlight=False)
 
-    async def start(p: VolunteerProc) -> None:
-        p.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "crowdtrain",
-            "join",
-            run_id,
-            "--tracker",
-            tracker_url,
-            "--host",
-            "127.0.0.1",  # the demo stays on this machine: nothing listens on the network
-            "--json",
-            "--data-dir",
-            str(tmp / p.name),
-            "--max-steps",
-            str(steps),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the demo only; it stops the volunteers itself
+    async def start(p: VolunteerProc, tg: asyncio.TaskGroup) -> None:
+        args = ["join", run_id, "--tracker", tracker_url, "--host", "127.0.0.1"]  # nothing on the network
+        p.child = await Child.start(
+            [*args, "--json", "--data-dir", str(tmp / p.name), "--max-steps", str(steps)],
+            name=p.name,
+            on_line=json_events(functools.partial(on_event, p)),
+            tg=tg,  # its output is read in this group
         )
-
-    async def pump(p: VolunteerProc) -> None:
-        from crowdtrain.volunteer import events as ev
-
-        assert p.proc is not None and p.proc.stdout is not None
-        async for raw in p.proc.stdout:
-            try:
-                event = parse_json_line(raw.decode())
-            except (CrowdtrainError, ValueError):
-                continue
-            p.state = apply(p.state, event)
-            if isinstance(event, ev.StepDone) and event.loss is not None:  # its mean loss over the step
-                if len(p.first_losses) < 3:
-                    p.first_losses.append(event.loss)
-                p.last_losses = [*p.last_losses[-2:], event.loss]
-            elif isinstance(event, ev.RoundDone):
-                p.bytes_sent += event.bytes_sent
-                p.raw_bytes += event.raw_bytes
-            elif isinstance(event, ev.TorrentStats):
-                p.downloaded = event.downloaded
-            if plain and isinstance(
-                event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed
-            ):
-                line = plain_line(event)
-                if line:
-                    console.print(f"{p.name}: {line}", markup=False, highlight=False)
-
-    async def drain_stderr(p: VolunteerProc) -> None:
-        assert p.proc is not None and p.proc.stderr is not None
-        async for raw in p.proc.stderr:
-            p.stderr_tail = [*p.stderr_tail[-20:], raw.decode(errors="replace").rstrip()]
 
     def view():
         rows = [DemoRow.from_state(p.name, p.state) for p in procs]
@@ -215,34 +188,30 @@ async def _run_volunteers(
     on_time = procs[:-1] if late else procs
     async with asyncio.TaskGroup() as tg:
         for p in on_time:
-            await start(p)
-            tg.create_task(pump(p))
-            tg.create_task(drain_stderr(p))
+            await start(p, tg)
         live = None if plain else Live(view(), console=console, auto_refresh=False, transient=False)
         with live if live is not None else contextlib.nullcontext():
             late_started = not late
             while True:
                 if live is not None:
                     live.update(view(), refresh=True)
-                running = [p for p in procs if p.proc is not None and p.proc.returncode is None]
+                running = [p for p in procs if p.child is not None and p.child.returncode is None]
                 if late_started and not running:
                     break
                 if not late_started:
                     step = max((p.state.global_step or 0) for p in on_time)
-                    if step >= max(2, steps // 4) or all(p.proc.returncode is not None for p in on_time):
+                    if step >= max(2, steps // 4) or all(p.child.returncode is not None for p in on_time):
                         late_started = True
-                        await start(procs[-1])
-                        tg.create_task(pump(procs[-1]))
-                        tg.create_task(drain_stderr(procs[-1]))
+                        await start(procs[-1], tg)
                         if plain:
                             console.print(f"{procs[-1].name} joins late, at global step {step}")
                 await asyncio.sleep(0.25)
             if live is not None:
                 live.update(view(), refresh=True)
-    failed = [p for p in procs if p.proc is not None and p.proc.returncode not in (0, None)]
+    failed = [p for p in procs if p.child is not None and p.child.returncode not in (0, None)]
     for p in failed:
-        console.print(f"{p.name} exited with code {p.proc.returncode}:", style="red")
-        for line in p.stderr_tail[-8:]:
+        console.print(f"{p.name} exited with code {p.child.returncode}:", style="red")
+        for line in p.child.tail(8):
             console.print(f"  {line}", markup=False, highlight=False)
     if failed:
         raise CrowdtrainError(
@@ -250,20 +219,10 @@ async def _run_volunteers(
         )
 
 
-async def stop_all(procs: list[VolunteerProc]) -> None:
-    """SIGINT each running volunteer (it leaves the run cleanly), then SIGKILL what is still there."""
-    running = [p.proc for p in procs if p.proc is not None and p.proc.returncode is None]
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in running:
-        try:
-            await asyncio.wait_for(proc.wait(), max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+async def stop_all(procs) -> None:
+    """SIGINT each running volunteer (it leaves the run cleanly), then SIGKILL what is still there after
+    :data:`~crowdtrain.procs.STOP_GRACE_S`. ``procs``: anything with a ``proc`` (an asyncio process or None)."""
+    await stop_processes([p.proc for p in procs if p.proc is not None])
 
 
 def _mean(values: list[float]) -> float | None:
