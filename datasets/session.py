@@ -566,6 +566,8 @@ class TorrentSession:
             await dl.verify_complete_files()
         except TimeoutError:
             self._downloads.pop(infohash, None)
+            with contextlib.suppress(RuntimeError):
+                ses.remove_torrent(handle)  # else adding the data set again would find it still there
             raise DatasetError(
                 f"Checking the files of {manifest.name!r} in {data_dir} took more than "
                 f"{self.config.check_timeout_s:.0f} s; is the disk very slow?"
