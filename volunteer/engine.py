@@ -996,9 +996,10 @@ class Volunteer:
         self, phases: list[GroupAssignment], vector: np.ndarray, tag: str, *, reuse: bool
     ) -> tuple[np.ndarray, list[str]]:
         """Run the step's phases in order, each phase's mean the next one's input, with this peer's weight
-        in each; after the last, every peer of the step holds the same weighted mean. With ``reuse`` and no
-        delay, each mean overwrites the vector it is made of (nothing reads the gradient again, and no buffer
-        of the model's size is needed); with delay 1 the means land in two buffers kept between steps (the
+        in each; after the last, every peer of the step holds the same weighted mean. Without delay, each
+        mean of the gradient overwrites the vector it is made of (nothing reads the gradient again, and no
+        buffer of the model's size is needed; a catching-up peer writes it to its replay file before it
+        accumulates again); with delay 1 and ``reuse`` the means land in two buffers kept between steps (the
         gradient's buffer receives the next step's gradient before this mean is applied).
 
         A part whose owner failed keeps its local values, which are this peer's alone: they are zeroed, as
@@ -1008,7 +1009,7 @@ class Volunteer:
         for i, a in enumerate(phases):
             [me] = [m for m in a.members if m.peer_id == self.peer_id]
             out = None
-            if reuse and not self.delay:
+            if not self.delay and tag == "grad":
                 out = values
             elif reuse:
                 if self._mean_bufs[i % 2] is None or self._mean_bufs[i % 2].size != vector.size:

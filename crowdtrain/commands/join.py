@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,24 @@ from crowdtrain.commands.common import run_async, wants_json
 def default_data_dir(run_id: str) -> Path:
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
     return base / "crowdtrain" / "runs" / run_id
+
+
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """Cap glibc's malloc arenas (as ``MALLOC_ARENA_MAX`` does; a value set there wins). glibc gives each
+    thread that allocates an arena of its own, up to 8 per core, and each keeps the high-water mark of the
+    temporaries freed in it; the all-reduce encodes and decodes megabyte slices in several threads, and
+    their high-water marks add up (see docs/benchmarks.md, Memory). Threads started afterwards share the
+    capped arenas; elsewhere than glibc this does nothing."""
+    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(ctypes.c_int(-8), ctypes.c_int(arenas))  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        return  # not glibc (musl has no arenas to cap)
 
 
 def join(
@@ -89,6 +108,8 @@ def join(
     config.data_dir.mkdir(parents=True, exist_ok=True)
     requested = "json" if wants_json(ctx, json_out) else "plain" if plain else "live"
     sink = ViewSink(choose_mode(requested, sys.stdout))
+
+    limit_malloc_arenas()
 
     async def main() -> None:
         volunteer = Volunteer(config, emit=sink.emit)
