@@ -127,7 +127,7 @@ class _Round:
     answer_stored: bool = False  # my part's answer goes stored, with a Content-Length (see Coder.stores)
     reducer: PartReducer | None = None
     output: np.ndarray | None = None  # where the round's result is written
-    input: np.ndarray | None = None  # this peer's vector (``output`` itself when averaging in place)
+    in_place: bool = False  # ``output`` is this peer's vector itself
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     stats: _Stats = field(default_factory=_Stats)
 
@@ -319,7 +319,7 @@ class Averager:
         rnd = _Round(key, a, members, bounds, me.part, a.deadline, uniform, tag, None)
         # every value of the output is written: the reduced part, a decoded answer, or my own for a failed part
         rnd.output = np.empty_like(vector) if out is None else out
-        rnd.input = vector
+        rnd.in_place = rnd.output is vector
         if me.part >= 0 and bounds[me.part][1] > bounds[me.part][0]:  # an empty part needs no owner
             start, stop = bounds[me.part]
             rnd.reducer = PartReducer(
@@ -414,7 +414,7 @@ class Averager:
         With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
         and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
         """
-        if rnd.output is rnd.input:  # in place: my own copy is a term, read until the slice is reduced
+        if rnd.in_place:  # my own copy is a term, read until the slice is reduced
             reduced = np.empty(b - a, dtype=np.float32)
             PartReducer.reduce_slice(terms, a, b, reduced)
             out[a:b] = reduced

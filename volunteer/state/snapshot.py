@@ -388,15 +388,15 @@ def _assemble(header: SnapshotHeader, tensors: dict[str, torch.Tensor]) -> Loade
 def read_snapshot_header(path: Path) -> SnapshotHeader:
     """The crowdtrain header of a snapshot file (its step, run, recipe), without reading its tensors."""
     with open(path, "rb") as f:
-        header, _, _, _ = _read_table(f)
+        header, _ = _read_table(f)
     return header
 
 
 def _read_table(
     f: BinaryIO,
-) -> tuple[SnapshotHeader, list[tuple[str, torch.dtype, list[int], int]], int, int]:
+) -> tuple[SnapshotHeader, list[tuple[str, torch.dtype, list[int], int]]]:
     """The header and every tensor's (name, dtype, shape, data offset) of an open snapshot file, in file
-    order, each checked against the file's size; and where the tensor data starts and ends."""
+    order, each checked against the file's size."""
     total = os.fstat(f.fileno()).st_size
     first = f.read(8)
     size = int.from_bytes(first, "little") if len(first) == 8 else 0
@@ -420,7 +420,7 @@ def _read_table(
         entries.append((name, dtype, shape, base + begin))
     if base + expected != total:
         raise ProtocolError("state snapshot has bytes after its last tensor")
-    return header, entries, base, total
+    return header, entries
 
 
 def load_snapshot(source: bytes | Path, *, into: Mapping[str, torch.Tensor] | None = None) -> LoadedState:
@@ -443,7 +443,7 @@ def load_snapshot(source: bytes | Path, *, into: Mapping[str, torch.Tensor] | No
             raise ProtocolError(f"state snapshot is not a valid safetensors file ({exc})") from None
         return _assemble(header, tensors)
     with open(source, "rb") as f:
-        header, entries, _, _ = _read_table(f)
+        header, entries = _read_table(f)
         live = _live_targets(header, entries, into) if into is not None else {}
         tensors = {}
         for name, dtype, shape, offset in entries:
