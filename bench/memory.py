@@ -8,6 +8,8 @@ catches up from them. Peaks are each process's ``VmHWM`` (/proc/PID/status), rea
 - stepping: the two first volunteers, just before the newcomer joins;
 - serving: the same two, after the newcomer loaded the state (their peak over the whole run);
 - catching up: the newcomer, after it loaded the state and took a step.
+Each process's resident memory is also sampled every 50 ms: the run ends with where each one's highest
+sample came (after how many of its events, and which was the last), to tell what a peak belongs to.
 The floor is a process that imports torch, builds the model and its trainer and takes one optimizer step:
 weights, gradients and the AdamW moments (16 bytes per parameter) plus the interpreter and torch.
 
@@ -80,6 +82,26 @@ async def wait_for(predicate, seconds: float, what: str) -> None:
         await asyncio.sleep(0.2)
 
 
+def resident(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KiB
+    return 0
+
+
+async def watch(procs: list[Proc], highs: dict[str, tuple[int, str]]) -> None:
+    """Where each process's peak came: its resident memory every 50 ms, with the last event it printed."""
+    while True:
+        for p in procs:
+            if p.proc is not None and p.proc.returncode is None:
+                with contextlib.suppress(OSError):
+                    rss = resident(p.proc.pid)
+                    if rss > highs.get(p.name, (0, ""))[0]:
+                        last = type(p.events[-1]).__name__ if p.events else "-"
+                        highs[p.name] = (rss, f"{rss / 1e9:.2f} GB after {len(p.events)} events, last {last}")
+        await asyncio.sleep(0.05)
+
+
 async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) -> dict[str, list[int]]:
     from crowdtrain.volunteer import events as ev
 
@@ -89,6 +111,8 @@ async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) ->
     averaging = {"group_size": 4, "codec": args.codec, "average_state_every": 0, "round_timeout_s": 120.0}
     async with published(workdir, "memory", margs, args, averaging) as (tracker, spec):
         procs = [*donors, newcomer]
+        highs: dict[str, tuple[int, str]] = {}
+        watcher = asyncio.get_running_loop().create_task(watch(procs, highs))
         try:
             for p in donors:
                 await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
@@ -121,6 +145,9 @@ async def run(args: argparse.Namespace, margs: dict[str, int], workdir: Path) ->
                     print(f"{p.name}: peak so far {peak_of(p.proc.pid) / 1e9:.2f} GB", file=sys.stderr)
             raise
         finally:
+            watcher.cancel()
+            for name, (_, where) in highs.items():
+                print(f"{name}: peak seen {where}", flush=True)
             await stop_all(procs)
     return peaks
 

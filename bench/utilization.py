@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from crowdtrain.commands.demo import stop_all  # SIGINT, then SIGKILL after a grace
+from crowdtrain.procs import Child, child_env, json_events
 
 KiB = 1 << 10
 SKIP = 2  # steps left out of the steady-state window
@@ -57,11 +58,13 @@ PHASES = (
 @dataclass
 class Proc:
     name: str
-    proc: asyncio.subprocess.Process | None = None
+    child: Child | None = None
     events: list[Any] = field(default_factory=list)
-    stderr_tail: list[str] = field(default_factory=list)
-    bad_lines: int = 0
-    pumps: Any = None  # the tasks reading its stdout and stderr
+    bad_lines: list[str] = field(default_factory=list)  # stdout lines that are no event
+
+    @property
+    def proc(self) -> asyncio.subprocess.Process | None:
+        return None if self.child is None else self.child.proc
 
 
 def cores() -> int:
@@ -81,30 +84,16 @@ def param_count(margs: dict[str, int]) -> int:
 
 
 async def start_volunteer(p: Proc, url: str, run_id: str, workdir: Path, args: argparse.Namespace) -> None:
-    from crowdtrain.protocol.errors import CrowdtrainError
-    from crowdtrain.volunteer.view.lines import parse_json_line
-
+    """``crowdtrain join --json`` in a session of its own (Ctrl-C reaches the bench only; it stops the
+    volunteers itself): its events go to ``p.events``, the last lines of its stderr stay in ``p.child``."""
     threads = str(args.threads)
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-    p.proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "crowdtrain", "join", run_id, "--tracker", url, "--host", "127.0.0.1",
-        "--json", "--data-dir", str(workdir / p.name), "--max-steps", str(args.steps), "--device", args.device,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        start_new_session=True,  # Ctrl-C reaches the bench only; it stops the volunteers itself
+    p.child = await Child.start(
+        ["join", run_id, "--tracker", url, "--host", "127.0.0.1", "--json", "--data-dir", str(workdir / p.name),
+         "--max-steps", str(args.steps), "--device", args.device],
+        name=p.name,
+        on_line=json_events(p.events.append, skipped=p.bad_lines.append),
+        env=child_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads),
     )  # fmt: skip
-
-    async def pump() -> None:
-        async for raw in p.proc.stdout:
-            try:
-                p.events.append(parse_json_line(raw.decode()))
-            except (CrowdtrainError, ValueError):
-                p.bad_lines += 1
-
-    async def drain() -> None:
-        async for raw in p.proc.stderr:
-            p.stderr_tail = [*p.stderr_tail[-30:], raw.decode(errors="replace").rstrip()]
-
-    p.pumps = asyncio.gather(pump(), drain())
 
 
 @contextlib.asynccontextmanager
@@ -163,9 +152,9 @@ async def one_run(delay: int, args: argparse.Namespace, margs: dict[str, int], w
         try:
             for p in procs:
                 await start_volunteer(p, tracker.url, spec.run_id, workdir, args)
-            waits = [asyncio.gather(p.proc.wait(), p.pumps) for p in procs]
             try:
-                await asyncio.wait_for(asyncio.gather(*waits), args.timeout)
+                async with asyncio.timeout(args.timeout):
+                    await asyncio.gather(*(p.child.wait() for p in procs))
             except TimeoutError:
                 raise SystemExit(
                     f"delay {delay}: the volunteers did not finish {args.steps} steps within "
@@ -191,7 +180,7 @@ def tails(procs: list[Proc]) -> str:
     for p in procs:
         code = None if p.proc is None else p.proc.returncode
         out.append(f"--- {p.name} (exit {code}), last stderr lines:")
-        out += [f"  {line}" for line in p.stderr_tail[-12:]]
+        out += [f"  {line}" for line in ([] if p.child is None else p.child.tail(12))]
     return "\n".join(out)
 
 
@@ -286,7 +275,7 @@ def measure(delay: int, procs: list[Proc], records: dict[int, Any], args: argpar
         "phases": {k: statistics.fmean(v) for k, v in phases.items() if v},
         "batch/target": (statistics.median(ratios), min(ratios), max(ratios)),
         "missed": missed,
-        "bad lines": sum(p.bad_lines for p in procs),
+        "bad lines": sum(len(p.bad_lines) for p in procs),
         "notes": notes,
     }
 

@@ -28,13 +28,14 @@ LineHandler = Callable[[str], None]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child: one torch thread, unbuffered output, and ``extra``."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    """This process's environment for a child: one torch thread, unbuffered output, and ``extra`` (which may
+    set another ``OMP_NUM_THREADS``)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def json_events(handle: Callable[[ev.Event], None]) -> LineHandler:
+def json_events(handle: Callable[[ev.Event], None], skipped: LineHandler | None = None) -> LineHandler:
     """A line handler for ``--json`` output: each line that is a volunteer event goes to ``handle``; any
-    other line (a library's warning, a line cut short by SIGKILL) is skipped."""
+    other line (a library's warning, a line cut short by SIGKILL) is skipped, and given to ``skipped``."""
     from crowdtrain.protocol.errors import CrowdtrainError
     from crowdtrain.volunteer.view.lines import parse_json_line
 
@@ -42,6 +43,8 @@ def json_events(handle: Callable[[ev.Event], None]) -> LineHandler:
         try:
             event = parse_json_line(line)
         except (CrowdtrainError, ValueError):
+            if skipped is not None:
+                skipped(line)
             return
         handle(event)
 

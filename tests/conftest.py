@@ -16,6 +16,34 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "tracker_config(**fields): the TrackerConfig fields of the `tracker` fixture (test or module)",
+    )
+
+
+@pytest.fixture
+async def tracker(request: pytest.FixtureRequest):
+    """A real tracker serving on 127.0.0.1 (its database in memory) for the test; the closest
+    ``@pytest.mark.tracker_config(**fields)`` (on the test, else its module's ``pytestmark``) sets its config."""
+    from crowdtrain.tracker.config import TrackerConfig
+    from crowdtrain.tracker.server import serve
+
+    marker = request.node.get_closest_marker("tracker_config")
+    async with serve(TrackerConfig(**(marker.kwargs if marker else {}))) as running:
+        yield running
+
+
+@pytest.fixture
+async def admin(tracker):
+    """A client of the ``tracker`` fixture that holds its admin token."""
+    from crowdtrain.protocol.client import TrackerClient
+
+    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
+        yield client
+
+
 @pytest.fixture
 def cli_env() -> dict[str, str]:
     """Environment for running ``python -m crowdtrain`` in a subprocess."""

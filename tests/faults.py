@@ -17,7 +17,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,17 +44,6 @@ def record_outcome(scenario: str, **fields: Any) -> None:
 
 def subprocess_env() -> dict[str, str]:
     return child_env(COLUMNS="120")
-
-
-async def until(predicate: Callable[[], bool], within_s: float, what: str) -> None:
-    """Poll ``predicate`` every 0.1 s until it holds; fail naming ``what`` after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
-        if predicate():
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {within_s} s")
-        await asyncio.sleep(0.1)
 
 
 class VolunteerProcess:
@@ -142,7 +131,7 @@ class TrackerProcess:
         self.child: Child
 
     @classmethod
-    async def start(cls, db: Path, *, port: int = 0, options: Sequence[str] = ()) -> TrackerProcess:
+    async def start(cls, db: Path | str, *, port: int = 0, options: Sequence[str] = ()) -> TrackerProcess:
         self = cls()
         self.child = await Child.start(
             ["tracker", "serve", "--db", str(db), "--port", str(port), *options],
@@ -233,10 +222,11 @@ async def _started(child: Child, ready: Callable[[], bool], what: str) -> None:
 
 
 def losses_on_a_fixed_batch(
-    volunteer: Any, manifest: Any, steps: Sequence[int], samples: int = 32
+    volunteer: Any, params: Mapping[int, Any], manifest: Any, steps: Sequence[int], samples: int = 32
 ) -> list[float]:
-    """The loss of ``volunteer``'s recorded parameters after each of ``steps`` on one fixed batch of the
-    data set (the same samples for every step), computed with its own model once it has left the run."""
+    """The loss of ``volunteer``'s recorded parameters (``params``: step -> flat parameters, as a
+    ``Recorder`` keeps them) after each of ``steps`` on one fixed batch of the data set (the same samples
+    for every step), computed with its own model once it has left the run."""
     from crowdtrain.datasets.sampler import Sampler
 
     seq_len = volunteer.spec.model.args["seq_len"]
@@ -250,6 +240,6 @@ def losses_on_a_fixed_batch(
     batch = Sampler.take(provenance, manifest, volunteer.config.data_dir, seq_len)
     out = []
     for step in steps:
-        volunteer.trainer.set_flat_params(volunteer.param_history[step])
+        volunteer.trainer.set_flat_params(params[step])
         out.append(volunteer.trainer.evaluate(batch.x, batch.y))
     return out

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.session import SessionConfig, TorrentSession
@@ -20,6 +22,10 @@ from crowdtrain.protocol.messages import DatasetManifest, RunSpec
 from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
+from crowdtrain.volunteer import events as ev
+
+if TYPE_CHECKING:
+    from crowdtrain.volunteer.engine import Volunteer
 
 TINY_GPT = {"d_model": 32, "n_layer": 1, "n_head": 2, "seq_len": 32}
 
@@ -29,6 +35,23 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def until(
+    predicate: Callable[[], bool | Awaitable[bool]], within_s: float, what: str, *, every_s: float = 0.1
+) -> None:
+    """Ask ``predicate`` (a function, or an async one) every ``every_s`` until it holds; fail naming ``what``
+    after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        held = predicate()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        await asyncio.sleep(every_s)
 
 
 @dataclass
@@ -97,6 +120,22 @@ async def published_run(
             await seeder.close()
 
 
+class Recorder:
+    """What a volunteer's engine records for a test, given as ``Volunteer(..., record=Recorder())``:
+    ``batches`` maps a step to the provenance of each micro-batch computed toward it (to replay the exact
+    samples), ``params`` maps a step to the flat parameters once the steps below it were applied."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, list[list[tuple[int, int]]]] = {}
+        self.params: dict[int, Any] = {}  # step -> np.ndarray (the engine's copy)
+
+    def __call__(self, record: ev.BatchComputed | ev.ParamsAfterStep) -> None:
+        if isinstance(record, ev.BatchComputed):
+            self.batches.setdefault(record.step, []).append(list(record.provenance))
+        else:
+            self.params[record.step] = record.params
+
+
 async def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``python -m crowdtrain ARGS`` in a subprocess (not blocking the event loop), its output captured."""
     return await asyncio.to_thread(
@@ -107,3 +146,38 @@ async def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
         env=env,
         timeout=60,
     )
+
+
+def volunteers(
+    run: Published,
+    tmp_path: Path,
+    n: int,
+    *,
+    seed: int = 0,
+    name: str = "volunteer",
+    emit: ev.Emit | Sequence[ev.Emit] = ev.no_emit,
+    record: Sequence[ev.Record] | None = None,
+    **config: Any,
+) -> list[Volunteer]:
+    """``n`` volunteers of ``run``, not started. Volunteer ``i`` keeps its data in ``tmp_path/{name}-{i}``,
+    trains with the seed ``seed + i`` and the further ``VolunteerConfig`` fields ``config``, and gives its
+    events to ``emit`` (``emit[i]`` when it is a sequence) and its records to ``record[i]``."""
+    from crowdtrain.volunteer.config import VolunteerConfig
+    from crowdtrain.volunteer.engine import Volunteer
+
+    emits = list(emit) if isinstance(emit, Sequence) else [emit] * n
+    records = [None] * n if record is None else list(record)
+    return [
+        Volunteer(
+            VolunteerConfig(
+                run_id=run.spec.run_id,
+                tracker_url=run.tracker.url,
+                data_dir=tmp_path / f"{name}-{i}",
+                seed=seed + i,
+                **config,
+            ),
+            emit=emits[i],
+            record=records[i],
+        )
+        for i in range(n)
+    ]

@@ -122,11 +122,11 @@ class SimVolunteer:
         self._server = await PingServer().__aenter__()
         self.address = ":" + self._server.address.rpartition(":")[2]
 
-    async def wait_reachable(self, within_s: float = 5.0) -> None:
-        """Heartbeat (step 0, no samples) until the tracker says its check of this peer answered."""
+    async def wait_reachable(self, within_s: float = 5.0, samples: int = 0) -> None:
+        """Heartbeat (step 0, ``samples``) until the tracker says its check of this peer answered."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within_s
-        while not (await self.heartbeat(0, 0)).reachable:
+        while not (await self.heartbeat(0, samples)).reachable:
             if loop.time() > deadline:
                 raise TimeoutError(f"the tracker did not reach peer {self.peer_id} at {self.address}")
             await asyncio.sleep(0.02)

@@ -23,6 +23,7 @@ from crowdtrain.protocol.messages import replace
 from crowdtrain.volunteer.averaging import AveragingConfig, part_bounds
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.events import RoundDone, RoundFailed
+from tests.harness import until
 
 N = 3000
 
@@ -121,6 +122,33 @@ async def test_bad_contribution_is_rejected_with_its_status_and_left_out_of_the_
     # the refused peer may not try again in the same round
     again, _ = await post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
     assert again in (409, 410)
+
+
+async def test_lossy_copy_cut_into_other_frames_than_the_runs_is_refused_and_the_round_goes_on():
+    """With a lossy codec the owner keeps each copy as the codec's payload, frame by frame at the places the
+    run's ``subframe_elements`` gives (see ``KeptPart``): a copy cut otherwise is refused before its body is
+    read, with a sentence, and the others' mean is still exact to the codec."""
+    config = AveragingConfig(subframe_elements=1000, codec=Codec.INT8)
+    a = await start_peer("a", config)
+    h = await start_peer("h", config, serve=False)
+    m = await start_peer("m", config, serve=False)
+    try:
+        rng = np.random.default_rng(6)
+        va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+        assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
+        owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+        c = Compressor()
+        cut = b"".join(encode_frame(vm[i : i + 600], Codec.INT8, c) for i in range(0, N, 600))
+        got, text = await post_part(m, a, assignment, 0, cut, weight="4.0", elements=str(N))
+        assert got == 400 and "does not start a frame of this part" in text, (got, text)
+        honest = await h.averager.allreduce(assignment, vh, 2.0)
+        result = await owner
+        assert result.rejected == ("m",)
+        np.testing.assert_array_equal(honest.values, result.values)
+        np.testing.assert_allclose(result.values, weighted_mean([va, vh], [3, 2]), atol=0.05)
+    finally:
+        for p in (a, h, m):
+            await p.stop()
 
 
 async def test_duplicate_contribution_gets_409_and_the_first_one_counts(trio):
@@ -310,16 +338,17 @@ async def test_abandoned_round_answers_waiting_senders_at_once(trio):
     owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
     sender = asyncio.create_task(h.averager.allreduce(assignment, vh, 2.0))
     key = f"{assignment.round_id}/grad"
-    for _ in range(3000):  # until the owner holds h's copy (bounded)
-        if key in a.averager._rounds and "h" in a.averager._rounds[key].reducer.contributions:
-            break
-        await asyncio.sleep(0.01)
+    await until(
+        lambda: key in a.averager._rounds and "h" in a.averager._rounds[key].reducer.contributions,
+        30,
+        "the owner's receipt of h's copy",
+        every_s=0.01,
+    )
     owner.cancel()  # e.g. Ctrl-C on the owner while m never sends: h must not wait for the deadline
     with pytest.raises(asyncio.CancelledError):
         await owner
-    result = await sender
-    assert result.failed_parts == (0,)
-    assert "503" in result.reasons["part 0"] and "abandoned" in result.reasons["part 0"]
-    np.testing.assert_array_equal(result.values, vh)
+    # its only part failed: nothing was averaged, so its round failed as a whole, at once
+    with pytest.raises(AveragingError, match=r"every part's owner failed .*503.*abandoned"):
+        await sender
     assert time.time() < assignment.deadline
-    assert isinstance(h.events[-1], RoundFailed)
+    assert isinstance(h.events[-1], RoundFailed) and "abandoned" in h.events[-1].reason

@@ -27,6 +27,7 @@ from crowdtrain.protocol.errors import DatasetError
 from crowdtrain.protocol.messages import DatasetManifest
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
+from tests.harness import until
 
 KiB = 1024
 SEQ = 64
@@ -78,13 +79,6 @@ class Learner:
             self.first_batch_progress = self.download.handle.status().progress
 
 
-async def wait_until(predicate, what: str) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not predicate():
-            await asyncio.sleep(0.05)
-    assert predicate(), what
-
-
 async def test_two_downloaders_train_early_finish_verified_and_share_with_each_other(tmp_path):
     async with published(tmp_path, size=2 * 1024 * KiB, chunk=128 * KiB) as pub:
         n = len(pub.manifest.chunks)
@@ -99,7 +93,9 @@ async def test_two_downloaders_train_early_finish_verified_and_share_with_each_o
                 pub.torrent, tmp_path / "a", pub.manifest, seed=1, on_chunk=a.on_chunk
             )
             # the second volunteer arrives once the first holds a few chunks it can share
-            await wait_until(lambda: len(a.events) >= 3, "the first downloader got chunks")
+            await until(
+                lambda: len(a.events) >= 3, WAIT_S, "the first downloader getting chunks", every_s=0.05
+            )
             b = Learner(pub.manifest, tmp_path / "b", seed=2)
             b.download = await ses_b.stream(
                 pub.torrent, tmp_path / "b", pub.manifest, seed=2, on_chunk=b.on_chunk
@@ -145,7 +141,12 @@ async def test_a_chunk_corrupted_on_the_seeder_never_reaches_the_sampler(tmp_pat
             learner.download = dl = await ses.stream(
                 pub.torrent, tmp_path / "dl", pub.manifest, seed=5, on_chunk=learner.on_chunk
             )
-            await wait_until(lambda: dl.hash_failures >= 1, "libtorrent rejected the corrupted piece")
+            await until(
+                lambda: dl.hash_failures >= 1,
+                WAIT_S,
+                "libtorrent rejecting the corrupted piece",
+                every_s=0.05,
+            )
             # the rejected chunk is not in the sampler, and no batch can come from it
             assert bad not in learner.sampler.held
             assert bad not in {e.index for e in learner.events}
@@ -175,7 +176,12 @@ async def test_a_restarted_downloader_does_not_fetch_verified_chunks_again(tmp_p
                 first.download = await ses.stream(
                     pub.torrent, tmp_path / "dl", pub.manifest, seed=9, on_chunk=first.on_chunk
                 )
-                await wait_until(lambda: len(first.events) >= n // 3, "a third of the chunks arrived")
+                await until(
+                    lambda: len(first.events) >= n // 3,
+                    WAIT_S,
+                    "a third of the chunks arriving",
+                    every_s=0.05,
+                )
             # closing saved resume data; the session is gone
             held_before = {e.index for e in first.events}
             assert len(held_before) < n

@@ -16,7 +16,7 @@ from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.trainer import Trainer
-from tests.harness import TINY_GPT, published_run
+from tests.harness import TINY_GPT, Recorder, published_run, until
 
 
 def model_from_flat(spec, flat: np.ndarray) -> torch.nn.Module:
@@ -28,26 +28,24 @@ def model_from_flat(spec, flat: np.ndarray) -> torch.nn.Module:
 
 @pytest.mark.timeout(300)
 async def test_export_matches_a_live_volunteer_and_a_left_run_resumes_from_it(tmp_path):
+    recs = {i: Recorder() for i in range(2)}
     async with published_run(tmp_path) as run:
 
         def volunteer(i: int, **kw) -> Volunteer:
-            v = Volunteer(
+            return Volunteer(
                 VolunteerConfig(
                     run_id=run.spec.run_id,
                     tracker_url=run.tracker.url,
                     data_dir=tmp_path / f"volunteer-{i}",
                     seed=i,
                     **kw,
-                )
+                ),
+                record=recs[i],
             )
-            v.record = True
-            return v
 
         live = volunteer(0)
         task = asyncio.create_task(live.run())
-        async with asyncio.timeout(120):
-            while live.step < 5:
-                await asyncio.sleep(0.05)
+        await until(lambda: live.step >= 5, 120, "the live volunteer's step 5", every_s=0.05)
         out = tmp_path / "export" / "model.safetensors"
         info = await export_state(run.spec.run_id, run.tracker.url, out, None, 10.0)
         live.stop()
@@ -56,7 +54,7 @@ async def test_export_matches_a_live_volunteer_and_a_left_run_resumes_from_it(tm
         # The file loads into a fresh recipe model and gives the live model's outputs on a fixed input.
         fresh = get_recipe("tiny-gpt").build(dict(run.spec.model.args)).eval()
         fresh.load_state_dict(load_file(str(out)), strict=True)
-        reference = model_from_flat(run.spec, live.param_history[info["step"]])
+        reference = model_from_flat(run.spec, recs[0].params[info["step"]])
         x = torch.arange(2 * TINY_GPT["seq_len"]).reshape(2, -1) % 256
         with torch.no_grad():
             torch.testing.assert_close(fresh(x), reference(x), rtol=0, atol=0)
@@ -67,8 +65,8 @@ async def test_export_matches_a_live_volunteer_and_a_left_run_resumes_from_it(tm
         summary = await asyncio.wait_for(resumed.run(), 120)
     assert summary.first_step == live.step  # the run's global step survived the empty room
     # It started from the exported weights, not from the recipe's initial ones.
-    exported = model_from_flat(run.spec, live.param_history[info["step"]])
-    start = model_from_flat(run.spec, resumed.param_history[live.step])
+    exported = model_from_flat(run.spec, recs[0].params[info["step"]])
+    start = model_from_flat(run.spec, recs[1].params[live.step])
     for (name, a), (_, b) in zip(exported.state_dict().items(), start.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert summary.steps_done == 2

@@ -16,8 +16,8 @@ import pytest
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
-from tests.faults import losses_on_a_fixed_batch, record_outcome, until
-from tests.harness import published_run
+from tests.faults import losses_on_a_fixed_batch, record_outcome
+from tests.harness import Recorder, published_run, until
 
 STEPS = 8
 POISONS = {
@@ -34,6 +34,7 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
     tmp_path, poison
 ):
     seen: list[list[ev.Event]] = [[], [], []]
+    recs = [Recorder() for _ in range(3)]
     averaging = {"clip_multiple": 5.0, "round_timeout_s": 5.0}
     async with published_run(tmp_path, target_batch_size=96, averaging=averaging) as run:
         vols = []
@@ -48,8 +49,8 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
                     catch_up=i < 2,
                 ),
                 emit=seen[i].append,
+                record=recs[i],
             )
-            v.record = True
             vols.append(v)
         tasks = [asyncio.create_task(v.run()) for v in vols]
         bad = vols[2]
@@ -95,10 +96,10 @@ async def test_poisoned_gradient_is_rejected_or_clipped_and_the_honest_stay_equa
     # The honest two took every step, with equal, finite parameters, and learn.
     assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
     for step in range(1, STEPS + 1):
-        a, b = vols[0].param_history[step], vols[1].param_history[step]
+        a, b = recs[0].params[step], recs[1].params[step]
         assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
         np.testing.assert_array_equal(a, b, err_msg=f"honest volunteers differ after step {step}")
-    first, last = losses_on_a_fixed_batch(vols[0], run.manifest, [1, STEPS])
+    first, last = losses_on_a_fixed_batch(vols[0], recs[0].params, run.manifest, [1, STEPS])
     assert last < first
     record_outcome(
         f"poisoned gradient ({poison})",

@@ -24,8 +24,8 @@ from crowdtrain.publisher import build_run_create
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
-from tests.faults import SeederProcess, VolunteerProcess, record_outcome, until
-from tests.harness import TINY_GPT
+from tests.faults import SeederProcess, VolunteerProcess, record_outcome
+from tests.harness import TINY_GPT, until
 
 VOLUNTEERS = 3  # the last one joins after the seeder died
 CHUNK_BYTES = 32 * 1024

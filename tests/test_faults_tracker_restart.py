@@ -24,8 +24,8 @@ from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
-from tests.faults import TrackerProcess, losses_on_a_fixed_batch, record_outcome, until
-from tests.harness import TINY_GPT
+from tests.faults import TrackerProcess, losses_on_a_fixed_batch, record_outcome
+from tests.harness import TINY_GPT, Recorder, until
 from tests.sim import SimVolunteer, make_run_create
 
 KILL_AT_STEP = 2
@@ -37,9 +37,9 @@ TARGET = 6000
 TRACKER_OPTIONS = ("--heartbeat-interval", "0.2", "--peer-ttl", "30", "--join-rate", "0")
 
 
-def samples_drawn(v: Volunteer) -> int:
-    """Every sample this volunteer computed a gradient on (record=True keeps each micro-batch's provenance)."""
-    return sum(len(batch) for batches in v.recorded.values() for batch in batches)
+def samples_drawn(rec: Recorder) -> int:
+    """Every sample a volunteer computed a gradient on (its recorder keeps each micro-batch's provenance)."""
+    return sum(len(batch) for batches in rec.batches.values() for batch in batches)
 
 
 @pytest.mark.slow
@@ -49,6 +49,7 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
     tracker = await TrackerProcess.start(db, options=TRACKER_OPTIONS)
     second: TrackerProcess | None = None
     seen: list[list[ev.Event]] = [[], []]
+    recs = [Recorder() for _ in range(2)]
     try:
         data = tmp_path / "dataset"
         manifest = await asyncio.to_thread(
@@ -96,8 +97,8 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
                         tracker_timeout_s=3.0,
                     ),
                     emit=seen[i].append,
+                    record=recs[i],
                 )
-                v.record = True
                 vols.append(v)
             tasks = [asyncio.create_task(v.run()) for v in vols]
             try:
@@ -114,12 +115,12 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
                 assert await asyncio.wait_for(tracker.proc.wait(), 30) < 0
                 killed_at = time.time()
                 steps_at_kill = [v.step for v in vols]
-                drawn_at_kill = [samples_drawn(v) for v in vols]
+                drawn_at_kill = [samples_drawn(rec) for rec in recs]
                 await asyncio.sleep(DOWN_S)
                 # While it was down they kept accumulating, and no step was taken.
                 assert [v.step for v in vols] == steps_at_kill
-                assert all(samples_drawn(v) > n for v, n in zip(vols, drawn_at_kill, strict=True))
-                down_samples = sum(samples_drawn(v) - n for v, n in zip(vols, drawn_at_kill, strict=True))
+                assert all(samples_drawn(rec) > n for rec, n in zip(recs, drawn_at_kill, strict=True))
+                down_samples = sum(samples_drawn(rec) - n for rec, n in zip(recs, drawn_at_kill, strict=True))
                 second = await TrackerProcess.start(db, port=tracker.port, options=TRACKER_OPTIONS)
                 assert second.url == tracker.url
                 restarted_at = time.time()
@@ -155,17 +156,17 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
         done = [e.step for e in events if isinstance(e, ev.StepDone)]
         assert done == list(range(done[0], done[0] + len(done))), done
         assert set(done) <= set(history)
-    common = sorted(set(vols[0].param_history) & set(vols[1].param_history))
+    common = sorted(set(recs[0].params) & set(recs[1].params))
     assert common and common[-1] > max(steps_at_kill)
     for step in common:
-        a, b = vols[0].param_history[step], vols[1].param_history[step]
+        a, b = recs[0].params[step], recs[1].params[step]
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b, err_msg=f"volunteers differ after step {step}")
     # No sample lost: what each one drew went into a step or is still accumulated for the next.
     lost = 0
-    for events, v in zip(seen, vols, strict=True):
+    for events, v, rec in zip(seen, vols, recs, strict=True):
         contributed = sum(e.contributed_samples for e in events if isinstance(e, ev.StepDone))
-        lost += samples_drawn(v) - contributed - v.trainer.samples
+        lost += samples_drawn(rec) - contributed - v.trainer.samples
     assert lost == 0
     # The first step after the restart carried what was accumulated during the outage.
     resumed = [
@@ -173,7 +174,7 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
     ]
     assert sum(e.contributed_samples for e in resumed) >= down_samples
     # And the loss still falls (on a fixed batch, after the first and the last step).
-    first, last = losses_on_a_fixed_batch(vols[0], manifest, [common[0], common[-1]])
+    first, last = losses_on_a_fixed_batch(vols[0], recs[0].params, manifest, [common[0], common[-1]])
     assert last < first
     record_outcome(
         "tracker SIGKILLed and restarted",

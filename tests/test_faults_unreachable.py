@@ -17,7 +17,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outcome
-from tests.harness import published_run
+from tests.harness import Recorder, published_run, volunteers
 
 STEPS = 8
 # 127.0.0.0/8 is loopback, but this peer server listens on 127.0.0.1 only: 127.0.0.3 refuses connections.
@@ -32,6 +32,7 @@ UNREACHABLE = {
 @pytest.mark.parametrize("how", sorted(UNREACHABLE))
 async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_others(tmp_path, how):
     seen: list[list[ev.Event]] = [[], [], []]
+    recs = [Recorder() for _ in range(3)]
     async with published_run(tmp_path, target_batch_size=96, averaging={"clip_multiple": 0.0}) as run:
         vols = []
         for i in range(3):
@@ -46,8 +47,8 @@ async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_oth
                     **extra,
                 ),
                 emit=seen[i].append,
+                record=recs[i],
             )
-            v.record = True
             vols.append(v)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 150)
 
@@ -70,11 +71,11 @@ async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_oth
     assert contributed > 0
     # Equal, finite parameters after every step, and learning.
     for step in range(1, STEPS + 1):
-        first = vols[0].param_history[step]
+        first = recs[0].params[step]
         assert np.isfinite(first).all()
-        for v in vols[1:]:
-            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
-    first, last = losses_on_a_fixed_batch(vols[2], run.manifest, [1, STEPS])
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[step], first, err_msg=f"after step {step}")
+    first, last = losses_on_a_fixed_batch(vols[2], recs[2].params, run.manifest, [1, STEPS])
     assert last < first
     record_outcome(
         f"peer server unreachable ({how})",
@@ -95,20 +96,9 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
     """The same through the CLI: ``crowdtrain join --host 127.0.0.1 --advertise 127.0.0.3`` as a process of
     its own (it listens on 127.0.0.1 only, so the advertised address refuses connections)."""
     seen: list[list[ev.Event]] = [[], []]
+    recs = [Recorder() for _ in range(2)]
     async with published_run(tmp_path, target_batch_size=96, averaging={"clip_multiple": 0.0}) as run:
-        vols = []
-        for i in range(2):
-            v = Volunteer(
-                VolunteerConfig(
-                    run_id=run.spec.run_id,
-                    tracker_url=run.tracker.url,
-                    data_dir=tmp_path / f"volunteer-{i}",
-                    seed=500 + i,
-                ),
-                emit=seen[i].append,
-            )
-            v.record = True
-            vols.append(v)
+        vols = volunteers(run, tmp_path, 2, seed=500, emit=[s.append for s in seen], record=recs)
         tasks = [asyncio.create_task(v.run()) for v in vols]
         hidden = await VolunteerProcess.start(
             "hidden",
@@ -139,10 +129,10 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
         assert set(its_steps) <= stepped
         together = [e for e in events if isinstance(e, ev.RoundDone) and hidden_id in e.members]
         assert len(together) >= len(its_steps) and all(not r.failed_parts and not r.dropped for r in together)
-    common = sorted(set(vols[0].param_history) & set(vols[1].param_history))
+    common = sorted(set(recs[0].params) & set(recs[1].params))
     for step in common:
-        np.testing.assert_array_equal(vols[0].param_history[step], vols[1].param_history[step])
-        assert np.isfinite(vols[0].param_history[step]).all()
+        np.testing.assert_array_equal(recs[0].params[step], recs[1].params[step])
+        assert np.isfinite(recs[0].params[step]).all()
     record_outcome(
         "peer server unreachable (crowdtrain join --advertise 127.0.0.3, a process)",
         rounds_completed=len(its_steps),

@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.config import VolunteerConfig
-from crowdtrain.volunteer.engine import Volunteer
-from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outcome, until
-from tests.harness import published_run
+from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outcome
+from tests.harness import Recorder, published_run, until, volunteers
 
 ROUND_TIMEOUT_S = 5.0
 STEPS_AFTER_KILL = 5
@@ -35,19 +33,10 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
         tmp_path, model=MODEL, averaging=averaging, target_batch_size=96, micro_batch_size=8
     ) as run:
         seen: list[list[ev.Event]] = [[], []]
-        survivors = []
-        for i in range(2):
-            v = Volunteer(
-                VolunteerConfig(
-                    run_id=run.spec.run_id,
-                    tracker_url=run.tracker.url,
-                    data_dir=tmp_path / f"survivor-{i}",
-                    seed=100 + i,
-                ),
-                emit=seen[i].append,
-            )
-            v.record = True
-            survivors.append(v)
+        recs = [Recorder() for _ in range(2)]
+        survivors = volunteers(
+            run, tmp_path, 2, name="survivor", seed=100, emit=[s.append for s in seen], record=recs
+        )
         tasks = [asyncio.create_task(v.run()) for v in survivors]
         victim = await VolunteerProcess.start("victim", run.spec.run_id, run.tracker.url, tmp_path / "victim")
         try:
@@ -93,14 +82,14 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
         later = [e for e in events if isinstance(e, ev.RoundDone) and e.kind == "grad" and e.step > kill_step]
         assert later and all(victim_id not in e.members for e in later)
     # They went on, stepping together: equal and finite parameters after every step they both took.
-    common = sorted(set(survivors[0].param_history) & set(survivors[1].param_history))
+    common = sorted(set(recs[0].params) & set(recs[1].params))
     assert [s for s in common if s > kill_step + STEPS_AFTER_KILL]
     for step in common:
-        a, b = survivors[0].param_history[step], survivors[1].param_history[step]
+        a, b = recs[0].params[step], recs[1].params[step]
         assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
         np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
     # And they still learn: the loss on a fixed batch is lower after the last step than after the first.
-    first, last = losses_on_a_fixed_batch(survivors[0], run.manifest, [common[0], common[-1]])
+    first, last = losses_on_a_fixed_batch(survivors[0], recs[0].params, run.manifest, [common[0], common[-1]])
     assert last < first
     recovered = min(
         e.t for events in seen for e in events if isinstance(e, ev.StepDone) and e.step == kill_step

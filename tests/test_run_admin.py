@@ -12,10 +12,7 @@ from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.config import VolunteerConfig
-from crowdtrain.volunteer.engine import Volunteer
-from tests.faults import until
-from tests.harness import cli, published_run
+from tests.harness import cli, published_run, until, volunteers
 from tests.sim import SimVolunteer, make_run_create
 
 
@@ -30,15 +27,7 @@ async def test_closing_a_live_run_makes_its_volunteers_leave_and_refuses_joins(t
 
     async with published_run(tmp_path, target_batch_size=32) as run:
         run_id = run.spec.run_id
-        vols = [
-            Volunteer(
-                VolunteerConfig(
-                    run_id=run_id, tracker_url=run.tracker.url, data_dir=tmp_path / f"v{i}", seed=i
-                ),
-                emit=watch,
-            )
-            for i in range(2)
-        ]
+        vols = volunteers(run, tmp_path, 2, emit=watch)
         tasks = [asyncio.create_task(v.run()) for v in vols]
         await until(lambda: min(v.summary.steps_done for v in vols) >= 2, 120, "two steps taken")
         out = await cli(

@@ -38,8 +38,7 @@ from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.snapshot import Snapshot
-from tests.faults import until
-from tests.harness import published_run
+from tests.harness import Recorder, published_run, until
 from tests.sim import SimVolunteer
 
 STEPS = 16
@@ -122,6 +121,7 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
         target_batch_size=64,
     ) as run:
         logs: dict[int, list[ev.Event]] = {i: [] for i in range(3)}
+        recs = [Recorder() for _ in range(3)]
         honest = []
         for i in range(3):
             v = Volunteer(
@@ -133,8 +133,8 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
                     max_steps=STEPS,
                 ),
                 emit=logs[i].append,
+                record=recs[i],
             )
-            v.record = True
             honest.append(v)
         hostile = Hostile(
             VolunteerConfig(
@@ -144,6 +144,9 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
                 seed=7,
                 max_steps=STEPS,
                 client_mode=True,
+                # a round whose every part was refused fails as a whole, and an honest peer would then
+                # fetch the state (sitting out a step with weight 0); an attacker goes on poisoning
+                catch_up=False,
             )
         )
         results = await asyncio.wait_for(
@@ -185,21 +188,21 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
 
     # the honest volunteers hold identical, finite parameters after every step
     for step in range(1, STEPS + 1):
-        first = honest[0].param_history[step]
+        first = recs[0].params[step]
         assert np.isfinite(first).all(), f"step {step}"
-        for v in honest[1:]:
-            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[step], first, err_msg=f"after step {step}")
 
     # and they still learn: on the same batches, the loss after the last step is below that after the first
-    v = honest[0]
+    v, rec = honest[0], recs[0]
     seq_len = run.spec.model.args["seq_len"]
     # (its first micro-batches: at step 0 its share of the target may have been 0)
     batches = [
-        Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in v.recorded[min(v.recorded)][:4]
+        Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in rec.batches[min(rec.batches)][:4]
     ]
 
     def loss_at(step: int) -> float:
-        v.trainer.set_flat_params(v.param_history[step])
+        v.trainer.set_flat_params(rec.params[step])
         return float(np.mean([v.trainer.evaluate(b.x, b.y) for b in batches]))
 
     first, last = loss_at(1), loss_at(STEPS)
@@ -235,9 +238,10 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
     model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
     state = StateConfig(range_bytes=64 * 1024)
     seen: list[ev.Event] = []
+    recs = {name: Recorder() for name in ("honest", "liar", "newcomer")}
 
     def make(cls: type[Volunteer], name: str, seed: int, emit=ev.no_emit) -> Volunteer:
-        v = cls(
+        return cls(
             VolunteerConfig(
                 run_id=run.spec.run_id,
                 tracker_url=run.tracker.url,
@@ -247,9 +251,8 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
                 state=state,
             ),
             emit=emit,
+            record=recs[name],
         )
-        v.record = True
-        return v
 
     async with published_run(tmp_path, model=model, target_batch_size=64) as run:
         reached = asyncio.Event()
@@ -287,9 +290,9 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
     caught = summaries[2].caught_up_to
     assert caught is not None and caught >= late_at, summaries[2]
     compared = 0
-    for step, params in late.param_history.items():
-        if step >= caught and step in honest.param_history:
-            np.testing.assert_array_equal(params, honest.param_history[step], err_msg=f"step {step}")
+    for step, params in recs["newcomer"].params.items():
+        if step >= caught and step in recs["honest"].params:
+            np.testing.assert_array_equal(params, recs["honest"].params[step], err_msg=f"step {step}")
             compared += 1
     assert compared >= 2
 
@@ -340,16 +343,16 @@ async def test_fake_state_declarations_leave_a_newcomer_catching_up_from_honest_
     model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
     seen: list[ev.Event] = []
     refusals: list[TrackerError] = []
+    recs = {name: Recorder() for name in ("honest-a", "honest-b", "newcomer")}
 
     def make(name: str, seed: int, emit=ev.no_emit) -> Volunteer:
-        v = Volunteer(
+        return Volunteer(
             VolunteerConfig(
                 run_id=run.spec.run_id, tracker_url=run.tracker.url, data_dir=tmp_path / name, seed=seed
             ),
             emit=emit,
+            record=recs[name],
         )
-        v.record = True
-        return v
 
     async with published_run(tmp_path, model=model, target_batch_size=64) as run:
         run_id = run.spec.run_id
@@ -403,8 +406,8 @@ async def test_fake_state_declarations_leave_a_newcomer_catching_up_from_honest_
     assert loaded and all(d.partition(" at ")[0] in honest_ids for e in loaded for d in e.donors_used), loaded
     caught = late.summary.caught_up_to
     compared = 0
-    for step, params in late.param_history.items():
-        if step >= caught and step in honest[0].param_history:
-            np.testing.assert_array_equal(params, honest[0].param_history[step], err_msg=f"step {step}")
+    for step, params in recs["newcomer"].params.items():
+        if step >= caught and step in recs["honest-a"].params:
+            np.testing.assert_array_equal(params, recs["honest-a"].params[step], err_msg=f"step {step}")
             compared += 1
     assert compared >= 2

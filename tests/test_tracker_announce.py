@@ -25,11 +25,11 @@ IH = hashlib.sha1(b"registered").digest()
 
 
 @pytest.fixture
-async def tracker():
-    async with serve(TrackerConfig()) as t:
-        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
-            await c.register_dataset(IH.hex(), "test set")
-        yield t
+async def tracker(tracker):
+    """The conftest ``tracker``, with the data set ``IH`` registered."""
+    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:
+        await c.register_dataset(IH.hex(), "test set")
+    return tracker
 
 
 def q(**params) -> str:

@@ -22,20 +22,10 @@ from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, 
 from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
-from tests.harness import closed_port
+from tests.harness import closed_port, until
 from tests.sim import PingServer, SimVolunteer, make_run_create, make_torrent
 
-
-@pytest.fixture
-async def tracker():
-    async with serve(TrackerConfig(max_body_bytes=64 * 1024)) as t:
-        yield t
-
-
-@pytest.fixture
-async def admin(tracker):
-    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:
-        yield c
+pytestmark = pytest.mark.tracker_config(max_body_bytes=64 * 1024)
 
 
 @pytest.fixture
@@ -385,12 +375,7 @@ async def reachable_volunteers(admin, run_id, servers) -> list[SimVolunteer]:
         await v.join(address=server.address)
         server.peer_id = v.peer_id
     for v in vols:
-        for _ in range(200):
-            if (await v.heartbeat(0, 1)).reachable:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the tracker never verified a peer answering GET /v1/ping")
+        await v.wait_reachable(samples=1)
     return vols
 
 
@@ -482,36 +467,33 @@ async def test_leave_removes_the_peer(admin, run_id):
         await v.leave()
 
 
-async def test_silent_peers_expire():
-    async with serve(TrackerConfig(peer_ttl_s=0.3, heartbeat_interval_s=0.1)) as t:
-        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
-            run_id = (await c.create_run(make_run_create())).run_id
-            v = SimVolunteer(c, run_id)
-            await v.join()
-            await v.heartbeat(0, 3)
-            for _ in range(300):
-                if (await c.status(run_id)).peers_online == 0:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                pytest.fail("a silent peer never expired")
-            assert (await c.status(run_id)).samples == 0
-            # its next heartbeat (credential still valid) registers it again
-            assert (await v.heartbeat(0, 3)).peers_online == 1
+@pytest.mark.tracker_config(peer_ttl_s=0.3, heartbeat_interval_s=0.1)
+async def test_silent_peers_expire(admin):
+    run_id = (await admin.create_run(make_run_create())).run_id
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    await v.heartbeat(0, 3)
+
+    async def expired() -> bool:
+        return (await admin.status(run_id)).peers_online == 0
+
+    await until(expired, 10, "the silent peer's expiry", every_s=0.02)
+    assert (await admin.status(run_id)).samples == 0
+    # its next heartbeat (credential still valid) registers it again
+    assert (await v.heartbeat(0, 3)).peers_online == 1
 
 
-async def test_join_rate_limit_per_address():
-    async with serve(TrackerConfig(join_rate_per_s=0.001, join_burst=2)) as t:
-        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
-            run_id = (await c.create_run(make_run_create())).run_id
-            await SimVolunteer(c, run_id).join()
-            await SimVolunteer(c, run_id).join()
-            with pytest.raises(TrackerError) as info:
-                await SimVolunteer(c, run_id).join()
-            assert (info.value.status, str(info.value)) == (
-                429,
-                "too many joins from your address; wait a few seconds and try again",
-            )
+@pytest.mark.tracker_config(join_rate_per_s=0.001, join_burst=2)
+async def test_join_rate_limit_per_address(admin):
+    run_id = (await admin.create_run(make_run_create())).run_id
+    await SimVolunteer(admin, run_id).join()
+    await SimVolunteer(admin, run_id).join()
+    with pytest.raises(TrackerError) as info:
+        await SimVolunteer(admin, run_id).join()
+    assert (info.value.status, str(info.value)) == (
+        429,
+        "too many joins from your address; wait a few seconds and try again",
+    )
 
 
 async def test_register_dataset_validates(admin):
@@ -560,12 +542,7 @@ async def test_unspecified_host_means_the_address_the_request_came_from(admin, r
         v = SimVolunteer(admin, run_id)
         await v.join(address=f"0.0.0.0:{port}")
         ps.peer_id = v.peer_id
-        for _ in range(200):
-            if (await v.heartbeat(0, 1)).reachable:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the tracker did not reach 127.0.0.1 for a declared 0.0.0.0 address")
+        await v.wait_reachable(samples=1)  # the tracker reaches 127.0.0.1 for a declared 0.0.0.0 address
 
 
 def _with(path: str, value):

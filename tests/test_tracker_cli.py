@@ -10,8 +10,6 @@ import pytest
 from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.messages import RunCreated, RunStatus, decode, encode
-from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.server import serve
 from tests.harness import cli, closed_port
 from tests.sim import SimVolunteer, make_run_create, make_torrent
 
@@ -45,12 +43,6 @@ total_steps = 500
 group_size = 4
 codec = "int8"
 """
-
-
-@pytest.fixture
-async def tracker():
-    async with serve(TrackerConfig()) as t:
-        yield t
 
 
 def write_dataset(folder, announce):

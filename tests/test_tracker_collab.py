@@ -14,19 +14,14 @@ from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
+from tests.harness import until
 from tests.sim import PingServer, SimVolunteer, make_run_create
 
 
 @pytest.fixture
-async def tracker():
-    async with serve(TrackerConfig()) as t:
-        yield t
-
-
-@pytest.fixture
-async def client(tracker):
-    async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as c:
-        yield c
+def client(admin):
+    """The conftest ``admin`` client: every test here speaks as the run's admin and its peers."""
+    return admin
 
 
 async def new_run(client, target=100, **averaging):
@@ -129,12 +124,11 @@ async def test_step_closes_on_timeout_with_min_group_size(client):
     assert (await a.ready(0, 5, wait_s=0.4)).status == "wait"
     assert (await a.heartbeat(0, 6)).step_closed is False
     await b.heartbeat(0, 1)
-    for _ in range(100):
-        if (await a.heartbeat(0, 6)).step_closed:
-            break
-        await asyncio.sleep(0.02)
-    else:
-        pytest.fail("the step never closed on its timeout")
+
+    async def closed() -> bool:
+        return (await a.heartbeat(0, 6)).step_closed
+
+    await until(closed, 5, "the step's close on its timeout", every_s=0.02)
     ra, rb = await asyncio.gather(a.ready(0, 6), b.ready(0, 1))
     assert ra.status == rb.status == "group"
     [record] = (await client.status(run_id)).recent_steps
@@ -201,13 +195,12 @@ async def test_reachable_peers_own_parts_and_are_spread_over_groups(client):
         assert all(m.address is None for m in g.members if m.part < 0)
 
 
-async def test_every_ready_answer_is_bounded_by_long_poll():
-    async with serve(TrackerConfig(long_poll_s=0.2)) as t:
-        async with TrackerClient(t.url, admin_token=t.admin_token) as c:
-            run_id = await new_run(c, target=100)
-            [a] = await joined(c, run_id, 1)
-            reply = await a.ready(0, 1, wait_s=60)  # the tracker caps the wait at its long_poll_s
-            assert (reply.status, reply.global_step) == ("wait", 0)
+@pytest.mark.tracker_config(long_poll_s=0.2)
+async def test_every_ready_answer_is_bounded_by_long_poll(client):
+    run_id = await new_run(client, target=100)
+    [a] = await joined(client, run_id, 1)
+    reply = await a.ready(0, 1, wait_s=60)  # the tracker caps the wait at its long_poll_s
+    assert (reply.status, reply.global_step) == ("wait", 0)
 
 
 async def test_expired_peer_leaves_the_pending_set_and_the_round_forms(client):

@@ -3,9 +3,6 @@ tokens and history intact, and a volunteer's next heartbeat re-registers it."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +11,7 @@ import pytest
 
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
+from tests.faults import TrackerProcess
 from tests.sim import SimVolunteer, make_run_create
 
 HEAVY = ("torch", "libtorrent", "rich")
@@ -38,43 +36,12 @@ def test_importing_and_starting_the_tracker_imports_no_torch(tmp_path):
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
-class TrackerProcess:
-    def __init__(self, db: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "crowdtrain", "tracker", "serve", "--port", "0", "--db", db],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.url = ""
-        self.token = ""
-
-    async def started(self) -> TrackerProcess:
-        assert self.proc.stdout is not None
-        while not (self.url and self.token):
-            line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 60)
-            if not line:
-                raise AssertionError(f"tracker exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
-            if m := re.match(r"tracker listening on (http://\S+)", line):
-                self.url = m.group(1)
-            if m := re.match(r"admin token: (\S+)", line):
-                self.token = m.group(1)
-        return self
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-
-
 @pytest.mark.slow
-async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_reregisters(tmp_path, cli_env):
-    db = str(tmp_path / "tracker.sqlite3")
-    first = await TrackerProcess(db, cli_env).started()
+async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_reregisters(tmp_path):
+    db = tmp_path / "tracker.sqlite3"
+    first = await TrackerProcess.start(db)
     try:
-        async with TrackerClient(first.url, admin_token=first.token) as c:
+        async with TrackerClient(first.url, admin_token=first.admin_token) as c:
             created = await c.create_run(
                 make_run_create("durable", target_batch_size=10, join_token="join-me-please")
             )
@@ -90,12 +57,13 @@ async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_rereg
     finally:
         await v.close()
         first.kill()
+        await first.child.wait(30)
     assert first.proc.returncode == -signal.SIGKILL
 
-    second = await TrackerProcess(db, cli_env).started()
+    second = await TrackerProcess.start(db)
     try:
-        assert second.token == first.token
-        async with TrackerClient(second.url, admin_token=second.token) as c:
+        assert second.admin_token == first.admin_token
+        async with TrackerClient(second.url, admin_token=second.admin_token) as c:
             spec = await c.get_spec(run_id)
             assert spec == created.spec  # same tracker key too: old credentials still verify
             status = await c.status(run_id)
@@ -117,15 +85,14 @@ async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_rereg
             assert (await c.create_run(make_run_create("second"))).run_id
     finally:
         second.proc.send_signal(signal.SIGTERM)
-        out, err = second.proc.communicate(timeout=30)
-    assert second.proc.returncode == 0, err
-    assert "tracker stopped" in out
+        code = await second.child.wait(30)
+    assert code == 0, second.lines
+    assert "tracker stopped" in second.lines
 
 
 @pytest.mark.slow
-async def test_sigint_stops_gracefully(tmp_path, cli_env):
-    p = await TrackerProcess(":memory:", cli_env).started()
-    os.kill(p.proc.pid, signal.SIGINT)
-    out, err = p.proc.communicate(timeout=30)
-    assert p.proc.returncode == 0, err
-    assert out.rstrip().endswith("tracker stopped")
+async def test_sigint_stops_gracefully():
+    p = await TrackerProcess.start(":memory:")
+    p.proc.send_signal(signal.SIGINT)
+    assert await p.child.wait(30) == 0, p.lines
+    assert p.lines[-1] == "tracker stopped"

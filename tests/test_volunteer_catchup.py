@@ -12,7 +12,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
-from tests.harness import published_run
+from tests.harness import Recorder, published_run, until
 
 KiB = 1024
 LATE_AT = 10
@@ -25,9 +25,10 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
     # Donors upload slowly, so the download takes a few seconds during which the newcomer trains.
     state = StateConfig(range_bytes=64 * KiB, upload_rate=256 * KiB)
     seen: list[ev.Event] = []
+    recs = {i: Recorder() for i in range(3)}
 
     def make(i: int, emit=ev.no_emit) -> Volunteer:
-        v = Volunteer(
+        return Volunteer(
             VolunteerConfig(
                 run_id=run.spec.run_id,
                 tracker_url=run.tracker.url,
@@ -36,23 +37,22 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
                 state=state,
             ),
             emit=emit,
+            record=recs[i],
         )
-        v.record = True
-        return v
 
     async with published_run(tmp_path, model=model, target_batch_size=64) as run:
         early = [make(0), make(1)]
         tasks = [asyncio.create_task(v.run()) for v in early]
-        async with asyncio.timeout(120):
-            while min(v.step for v in early) < LATE_AT:
-                await asyncio.sleep(0.1)
+        await until(lambda: min(v.step for v in early) >= LATE_AT, 120, f"step {LATE_AT} of the first two")
         late = make(2, emit=seen.append)
         tasks.append(asyncio.create_task(late.run()))
         # the run goes on (it has no last step) until the late one caught up and stepped with the others:
         # however fast the steps are, its download has to follow them
-        async with asyncio.timeout(200):
-            while late.summary.caught_up_to is None or late.summary.steps_done < AFTER:
-                await asyncio.sleep(0.1)
+        await until(
+            lambda: late.summary.caught_up_to is not None and late.summary.steps_done >= AFTER,
+            200,
+            f"the late one's catch-up and {AFTER} steps after it",
+        )
         for v in (*early, late):
             v.stop()
         summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
@@ -67,11 +67,11 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
     assert len(during) >= 2 and during[-1] > during[0], during
     # From the step it switched at, it holds exactly the others' parameters.
     compared = 0
-    for step, params in late.param_history.items():
-        if step >= caught and step in early[0].param_history:
-            np.testing.assert_array_equal(params, early[0].param_history[step], err_msg=f"step {step}")
+    for step, params in recs[2].params.items():
+        if step >= caught and step in recs[0].params:
+            np.testing.assert_array_equal(params, recs[0].params[step], err_msg=f"step {step}")
             compared += 1
     assert compared >= 2
     # Its gradients count from the step after the switch, not before.
-    assert min(late.recorded) >= caught
+    assert min(recs[2].batches) >= caught
     assert summaries[2].steps_done >= AFTER and summaries[2].steps_missed == 0

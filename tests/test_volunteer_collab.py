@@ -14,10 +14,8 @@ import pytest
 
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
-from crowdtrain.volunteer.config import VolunteerConfig
-from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.trainer import replay_reference
-from tests.harness import TINY_GPT, published_run
+from tests.harness import TINY_GPT, Recorder, published_run, volunteers
 
 STEPS = 20
 
@@ -29,23 +27,6 @@ def group_mean(grads, weights):
     for g, w in zip(grads, weights, strict=True):
         if w > 0:
             out += np.float32(w / total) * g
-    return out
-
-
-def volunteers(run, tmp_path, n: int, **kw) -> list[Volunteer]:
-    out = []
-    for i in range(n):
-        v = Volunteer(
-            VolunteerConfig(
-                run_id=run.spec.run_id,
-                tracker_url=run.tracker.url,
-                data_dir=tmp_path / f"volunteer-{i}",
-                seed=1000 + i,
-                **kw,
-            )
-        )
-        v.record = True
-        out.append(v)
     return out
 
 
@@ -61,7 +42,8 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
         micro_batch_size=16,
         averaging={"codec": "none", "group_size": 4, "clip_multiple": 0.0, "delay": delay},
     ) as run:
-        vols = volunteers(run, tmp_path, 3, max_steps=STEPS)
+        recs = [Recorder() for _ in range(3)]
+        vols = volunteers(run, tmp_path, 3, seed=1000, record=recs, max_steps=STEPS)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
         async with TrackerClient(run.tracker.url) as client:
             history = (await client.status(run.spec.run_id)).recent_steps  # the last 10
@@ -72,18 +54,18 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
     ]
     assert all(s.steps_missed == 0 for s in summaries)
     for step in range(1, STEPS + 1):
-        first = vols[0].param_history[step]
-        for v in vols[1:]:
-            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
+        first = recs[0].params[step]
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[step], first, err_msg=f"after step {step}")
 
     spec = run.spec
     seq_len = spec.model.args["seq_len"]
     steps = []
     for step in range(STEPS):
         per_volunteer = []
-        for v in sorted(vols, key=lambda v: v.peer_id):
+        for v, rec in sorted(zip(vols, recs, strict=True), key=lambda vr: vr[0].peer_id):
             batches = [
-                Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in v.recorded.get(step, [])
+                Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in rec.batches.get(step, [])
             ]
             per_volunteer.append([(b.x, b.y) for b in batches])
         steps.append(per_volunteer)
@@ -100,9 +82,7 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
     )
     assert all(s.compute_share is not None and 0 < s.compute_share <= 1 for s in summaries)
     for step, expected in enumerate(reference, start=1):
-        np.testing.assert_allclose(
-            vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"
-        )
+        np.testing.assert_allclose(recs[0].params[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
 
 
 @pytest.mark.slow
@@ -119,7 +99,8 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
         target_batch_size=target,
         averaging={"codec": "none", "group_size": group_size, "clip_multiple": 0.0},
     ) as run:
-        vols = volunteers(run, tmp_path, n, max_steps=steps)
+        recs = [Recorder() for _ in range(n)]
+        vols = volunteers(run, tmp_path, n, seed=1000, record=recs, max_steps=steps)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 360)
         async with TrackerClient(run.tracker.url) as client:
             history = (await client.status(run.spec.run_id)).recent_steps
@@ -128,9 +109,9 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
     assert all(target <= r.samples <= 1.25 * target for r in history), [r.samples for r in history]
     assert all(r.peers == n and r.groups == n // group_size for r in history)
     for step in range(1, steps + 1):
-        first = vols[0].param_history[step]
-        for v in vols[1:]:
-            np.testing.assert_array_equal(v.param_history[step], first, err_msg=f"after step {step}")
+        first = recs[0].params[step]
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[step], first, err_msg=f"after step {step}")
     seq_len = run.spec.model.args["seq_len"]
     per_step = [
         [
@@ -138,10 +119,10 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
                 (b.x, b.y)
                 for b in (
                     Sampler.take(p, run.manifest, v.config.data_dir, seq_len)
-                    for p in v.recorded.get(step, [])
+                    for p in rec.batches.get(step, [])
                 )
             ]
-            for v in vols
+            for v, rec in zip(vols, recs, strict=True)
         ]
         for step in range(steps)
     ]
@@ -150,9 +131,7 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
         "tiny-gpt", TINY_GPT, run.spec.optimizer, run.spec.schedule, per_step, by_volunteer=True
     )
     for step, expected in enumerate(reference, start=1):
-        np.testing.assert_allclose(
-            vols[0].param_history[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}"
-        )
+        np.testing.assert_allclose(recs[0].params[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
 
 
 @pytest.mark.slow
@@ -166,7 +145,7 @@ async def test_a_micro_batch_longer_than_a_heartbeat_never_closes_a_step_into_an
     async with published_run(
         tmp_path, model=model, target_batch_size=16, averaging={"codec": "none", "gather_s": 0.2}
     ) as run:
-        vols = volunteers(run, tmp_path, 2, max_steps=steps)
+        vols = volunteers(run, tmp_path, 2, seed=1000, max_steps=steps)
         summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
         async with TrackerClient(run.tracker.url) as client:
             status = await client.status(run.spec.run_id)

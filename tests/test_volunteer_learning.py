@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.config import VolunteerConfig
-from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.trainer import Trainer
-from tests.harness import published_run
+from tests.harness import Recorder, published_run, volunteers
 
 ARGS = {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}
 STEPS = 40
@@ -43,6 +41,7 @@ def held_out_loss(spec, params: np.ndarray | None) -> float:
 @pytest.mark.timeout(600)
 async def test_three_volunteers_with_int8_gradients_cut_held_out_loss_by_a_third(tmp_path):
     rounds: list[ev.RoundDone] = []
+    recs = [Recorder() for _ in range(3)]
     async with published_run(
         tmp_path,
         model={"recipe": "tiny-gpt", "args": ARGS},
@@ -52,28 +51,22 @@ async def test_three_volunteers_with_int8_gradients_cut_held_out_loss_by_a_third
         micro_batch_size=8,
         max_bytes=1 << 20,
     ) as run:
-        vols = []
-        for i in range(3):
-            v = Volunteer(
-                VolunteerConfig(
-                    run_id=run.spec.run_id,
-                    tracker_url=run.tracker.url,
-                    data_dir=tmp_path / f"volunteer-{i}",
-                    seed=i,
-                    max_steps=STEPS,
-                ),
-                emit=lambda e: rounds.append(e) if isinstance(e, ev.RoundDone) else None,
-            )
-            v.record = True
-            vols.append(v)
+        vols = volunteers(
+            run,
+            tmp_path,
+            3,
+            emit=lambda e: rounds.append(e) if isinstance(e, ev.RoundDone) else None,
+            record=recs,
+            max_steps=STEPS,
+        )
         await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 500)
     before = held_out_loss(run.spec, None)
-    after = held_out_loss(run.spec, vols[0].param_history[STEPS])
+    after = held_out_loss(run.spec, recs[0].params[STEPS])
     assert after <= 0.7 * before, (before, after)
     # int8 + zstd really is on the wire: a few times fewer bytes than fp32.
     sent = sum(r.bytes_sent for r in rounds if r.kind == "grad")
     raw = sum(r.raw_bytes for r in rounds if r.kind == "grad")
     assert 0 < sent < raw / 3
     # The group stayed in lock-step: everyone holds the same parameters at the end.
-    for v in vols[1:]:
-        np.testing.assert_array_equal(v.param_history[STEPS], vols[0].param_history[STEPS])
+    for rec in recs[1:]:
+        np.testing.assert_array_equal(rec.params[STEPS], recs[0].params[STEPS])

@@ -17,10 +17,7 @@ import pytest
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
-from crowdtrain.volunteer.config import VolunteerConfig
-from crowdtrain.volunteer.engine import Volunteer
-from tests.faults import until
-from tests.harness import published_run
+from tests.harness import published_run, until, volunteers
 from tests.sim import SimVolunteer, make_run_create
 
 INSTALL = "apt-get install -y --no-install-recommends chromium (`make test` does it when run as root)"
@@ -77,14 +74,7 @@ def peer_rows(dom: str) -> int:
 async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_close(tmp_path):
     async with published_run(tmp_path, target_batch_size=32) as run:
         run_id, url = run.spec.run_id, f"{run.tracker.url}/runs/{run.spec.run_id}"
-        vols = [
-            Volunteer(
-                VolunteerConfig(
-                    run_id=run_id, tracker_url=run.tracker.url, data_dir=tmp_path / f"v{i}", seed=i
-                )
-            )
-            for i in range(3)
-        ]
+        vols = volunteers(run, tmp_path, 3)
         tasks = [asyncio.create_task(v.run()) for v in vols]
         try:
             async with TrackerClient(run.tracker.url) as client:
@@ -99,8 +89,7 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                     step = await global_step()
                     return step >= n and (await client.status(run_id)).peers_online == 3
 
-                while not await reached(3):
-                    await asyncio.sleep(0.2)
+                await until(lambda: reached(3), 120, "step 3 with three peers online", every_s=0.2)
                 first = await browse(url, tmp_path / "profile", "--dump-dom")
                 shown = int(field(first, "step"))
                 assert shown >= step >= 3

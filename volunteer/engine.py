@@ -75,7 +75,7 @@ from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
 from crowdtrain.volunteer.state.snapshot import load_snapshot, read_snapshot_header, save_snapshot
-from crowdtrain.volunteer.trainer import Trainer, resolve_device
+from crowdtrain.volunteer.trainer import Trainer, all_finite, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -110,25 +110,34 @@ class _Replay:
         return min(self._steps, default=None)
 
     def _path(self, step: int, what: str) -> Path:
-        return self.folder / f"replay-{step}-{what}.npy"
+        return self.folder / f"replay-{step}-{what}.f32"
 
     def put(self, step: int, mean: np.ndarray, params: np.ndarray | None) -> None:
         """Blocking (writes files): call it in a thread."""
-        np.save(self._path(step, "grad"), mean)
+        mean.tofile(self._path(step, "grad"))
         if params is not None:
-            np.save(self._path(step, "params"), params)
+            params.tofile(self._path(step, "params"))
         self._steps[step] = params is not None
 
-    def take(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Blocking (reads files): call it in a thread."""
+    def take(self, step: int, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The average (read into ``into`` when given: no vector of the model's size is allocated for it)
+        and the parameters kept for ``step``. Blocking (reads files): call it in a thread."""
         has_params = self._steps.pop(step)
-        mean = np.load(self._path(step, "grad"))
-        self._path(step, "grad").unlink()
-        params = None
-        if has_params:
-            params = np.load(self._path(step, "params"))
-            self._path(step, "params").unlink()
+        mean = self._read(self._path(step, "grad"), into)
+        params = self._read(self._path(step, "params"), None) if has_params else None
         return mean, params
+
+    @staticmethod
+    def _read(path: Path, into: np.ndarray | None) -> np.ndarray:
+        with open(path, "rb") as f:
+            if into is None:
+                values = np.fromfile(f, dtype=np.float32)
+            elif f.readinto(memoryview(into).cast("B")) == into.nbytes and not f.read(1):
+                values = into
+            else:
+                raise StateSyncError(f"replay file {path.name} does not hold {into.size} values")
+        path.unlink()
+        return values
 
     def clear(self) -> None:
         for step, has_params in self._steps.items():
@@ -229,9 +238,24 @@ def load_checkpoint(model: torch.nn.Module, path, spec: RunSpec) -> int:
 
 
 class Volunteer:
-    def __init__(self, config: VolunteerConfig, emit: ev.Emit = ev.no_emit) -> None:
+    """One volunteer. ``emit`` receives its events (for the view, the JSON lines); :meth:`emit` only passes
+    them on.
+
+    ``record`` is for tests: a callable that receives :class:`~crowdtrain.volunteer.events.BatchComputed`
+    (each micro-batch's provenance, by the step its gradient was accumulated toward) and
+    :class:`~crowdtrain.volunteer.events.ParamsAfterStep` (a copy of the flat parameters after each applied
+    step, and after a catch-up). It is given at construction, never changed, and kept apart from ``emit``:
+    a copy of the model's size is taken only when a ``record`` was given, right after the step is applied
+    and before training goes on (so the copy holds that step's parameters, whenever the recorder reads
+    it). Without one (the CLI), no record is built and no copy made.
+    """
+
+    def __init__(
+        self, config: VolunteerConfig, emit: ev.Emit = ev.no_emit, record: ev.Record | None = None
+    ) -> None:
         self.config = config
         self._emit_outer = emit
+        self._record = record
         self.summary = Summary()
         self.key = SigningKey()
         self.spec: RunSpec | None = None
@@ -239,11 +263,6 @@ class Volunteer:
         self.step = 0  # the global step this peer accumulates for
         self.trainer: Trainer | None = None
         self.sampler: Sampler | None = None
-        # Tests turn ``record`` on to replay the exact samples: step -> each micro-batch's provenance, and
-        # the flat parameters after each step.
-        self.record = False
-        self.recorded: dict[int, list[list[tuple[int, int]]]] = {}
-        self.param_history: dict[int, np.ndarray] = {}
         self._reply: HeartbeatReply | None = None
         self._reply_changed = asyncio.Event()
         self._heartbeat_now = asyncio.Event()  # set: send the next heartbeat now
@@ -300,10 +319,21 @@ class Volunteer:
     # ------------------------------------------------------------------ plumbing
 
     def emit(self, event: ev.Event) -> None:
+        self._emit_outer(event)
+
+    def _emit_averaging(self, event: ev.Event) -> None:
+        """The averager's ``emit``: its rounds' bytes count in the summary, then the event goes out."""
         if isinstance(event, ev.RoundDone):
             self.summary.bytes_sent += event.bytes_sent
             self.summary.raw_bytes += event.raw_bytes
-        self._emit_outer(event)
+        self.emit(event)
+
+    async def _record_params(self) -> None:
+        """Hand ``record`` (if given) a copy of the parameters, which hold the steps below ``_applied``:
+        taken now, before training changes them."""
+        if self._record is not None:
+            params = await asyncio.to_thread(self.trainer.flat_params)
+            self._record(ev.ParamsAfterStep(step=self._applied, params=params))
 
     def stop(self) -> None:
         """Ask the engine to leave after the current micro-batch or round."""
@@ -388,7 +418,7 @@ class Volunteer:
                     key=self.key,
                     credential=join.credential,
                     config=AveragingConfig.from_spec(spec.averaging),
-                    emit=self.emit,
+                    emit=self._emit_averaging,
                 )
                 # snapshots live in files of their own; leftovers of an earlier run of this peer go
                 await asyncio.to_thread(shutil.rmtree, self._state_dir, True)
@@ -750,9 +780,9 @@ class Volunteer:
                 loss, n = await asyncio.to_thread(self.trainer.accumulate, batch.x, batch.y)
                 now = time.monotonic()
                 self._step_compute_s += now - started
-                if self.record and self._pending_state is None:
+                if self._record is not None and self._pending_state is None:
                     toward = self.step + (self._early is not None)  # computed ahead: for the next step
-                    self.recorded.setdefault(toward, []).append(list(batch.provenance))
+                    self._record(ev.BatchComputed(step=toward, provenance=tuple(batch.provenance)))
                 micro_batches += 1
                 self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
                 self._step_loss = (self._step_loss[0] + loss * n, self._step_loss[1] + n)
@@ -975,8 +1005,7 @@ class Volunteer:
             self._useful_compute_s += rnd.compute_s
         if rnd.loss is not None:
             self.summary.losses.append(rnd.loss)
-        if self.record:
-            self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
+        await self._record_params()
         self.emit(
             ev.StepDone(
                 step=rnd.step,
@@ -1085,7 +1114,7 @@ class Volunteer:
         except AveragingError as exc:
             self._note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
             return None
-        if failed or not np.isfinite(values).all():
+        if failed or not all_finite(values):
             self._note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
             return None
         return values
@@ -1236,8 +1265,7 @@ class Volunteer:
         if fetched is None or header is None:
             replay.clear()
             self._applied = max(0, self.step - self.delay)
-            if self.record:
-                self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
+            await self._record_params()
             if self.config.init_from is not None:
                 self._note(
                     logging.INFO, "no peer serves the run's state; resuming from %s", self.config.init_from
@@ -1277,14 +1305,15 @@ class Volunteer:
             )
         finally:
             fetched.unlink(missing_ok=True)
+        self._drop_accumulation()  # (each step replayed would zero it anyway)
         for s in range(loaded.step, target):
-            grad, params = await asyncio.to_thread(replay.take, s)
+            # read into the trainer's own gradient buffer (on a CPU): the replay holds no vector of its own
+            grad, params = await asyncio.to_thread(lambda s=s: replay.take(s, self.trainer.mean_buffer()))
             if self.delay and params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
             await asyncio.to_thread(self.trainer.apply, grad, s)
             if not self.delay and params is not None:
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
-        self._drop_accumulation()
         if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
             self.step = loaded.step + self.delay
             self._applied = loaded.step
@@ -1309,8 +1338,7 @@ class Volunteer:
                 self._round_task = done  # applied when the current step closes
         replay.clear()
         self.summary.caught_up_to = self.step
-        if self.record:
-            self.param_history[self._applied] = await asyncio.to_thread(self.trainer.flat_params)
+        await self._record_params()
         self._note(
             logging.INFO,
             "loaded the state of step %d and replayed %d steps",

@@ -3,6 +3,10 @@ are built from these alone.
 
 Every event has ``t`` (unix seconds). :func:`to_dict` gives the JSON-lines form (``{"event": "StepDone",
 ...}``). Modules that emit events take an ``emit`` callable; :func:`no_emit` drops them.
+
+:class:`BatchComputed` and :class:`ParamsAfterStep` are records, not events: the engine builds them only
+for a ``record`` callable it was given (tests replay samples and compare parameters with them), and they
+never reach ``emit``, the view or the JSON lines.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _now() -> float:
@@ -223,6 +230,30 @@ class Left(Event):
 
 
 Emit = Callable[[Event], None]
+
+
+# ------------------------------------------------------------ records (tests), not events
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchComputed:
+    """A micro-batch whose gradient was accumulated toward ``step`` (none are recorded while catching up:
+    those gradients count for nothing)."""
+
+    step: int
+    provenance: tuple[tuple[int, int], ...]  # (chunk index, offset) of each sample, in order
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamsAfterStep:
+    """The flat parameters once the averages of the steps below ``step`` are applied: a copy of the model's
+    size, taken before training goes on, that the recorder keeps."""
+
+    step: int
+    params: np.ndarray
+
+
+Record = Callable[[BatchComputed | ParamsAfterStep], None]
 
 
 def no_emit(event: Event) -> None:

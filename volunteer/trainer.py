@@ -54,6 +54,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def all_finite(values: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """True when no value is NaN or infinite. A chunk at a time: ``np.isfinite(values).all()`` would make a
+    boolean temporary of the whole vector (a byte per parameter, at the peak of a step)."""
+    flat = values.reshape(-1)
+    return all(np.isfinite(flat[a : a + chunk]).all() for a in range(0, flat.size, chunk))
+
+
 def make_optimizer(
     named: Sequence[tuple[str, torch.nn.Parameter]], spec: OptimizerSpec
 ) -> torch.optim.Optimizer:
@@ -210,6 +217,14 @@ class Trainer:
         self._consumed = False
         return out
 
+    def mean_buffer(self) -> np.ndarray | None:
+        """Where to write a mean gradient that :meth:`apply` then steps with, copying nothing: the
+        accumulation buffer itself on the CPU (the accumulation is dropped), None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        self.reset_accumulation()
+        return self._grad.numpy()
+
     def reset_accumulation(self) -> None:
         """Forget the accumulated gradient and samples."""
         self._bind_grads()
@@ -232,7 +247,7 @@ class Trainer:
             raise AveragingError(
                 f"The averaged gradient has shape {g.shape}, this model has {self.numel} parameters; not stepping."
             )
-        if not np.isfinite(g).all():
+        if not all_finite(g):
             raise AveragingError("The averaged gradient contains NaN or infinite values; not stepping.")
         lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
         self._bind_grads()
@@ -273,7 +288,7 @@ class Trainer:
             raise AveragingError(
                 f"Parameters of shape {v.shape} do not fit this model's {self.numel} values."
             )
-        if not np.isfinite(v).all():
+        if not all_finite(v):
             raise AveragingError(
                 "The averaged parameters contain NaN or infinite values; keeping the local ones."
             )

@@ -15,7 +15,8 @@ sender as soon as that slice is ready, instead of answering after the whole part
 Failures are local, never a hang: a copy that arrives after the deadline is dropped and the weights
 renormalised; a copy that fails a check is refused with a 4xx sentence and listed as rejected; a sender
 whose owner fails keeps its own values for that part and lists it in ``failed_parts``. A round returns by
-the deadline plus ``grace_s``.
+the deadline plus ``grace_s``. A round fails as a whole (:class:`AveragingError`, after a ``RoundFailed``
+event; one meaning for both) when it cannot start or when every part failed, so nothing was averaged.
 
 Wire: the request carries the peer headers of :mod:`crowdtrain.protocol.peerauth` signed over
 (``"allreduce"``, round key, part, weight, values), plus ``X-Crowdtrain-Weight`` (samples, ≤ the weight
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import math
 import re
@@ -60,12 +62,13 @@ from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
 from crowdtrain.volunteer.averaging.config import AveragingConfig
-from crowdtrain.volunteer.averaging.reducer import Contribution, PartOutcome, PartReducer
+from crowdtrain.volunteer.averaging.reducer import Contribution, PartReducer, Term
 from crowdtrain.volunteer.averaging.wire import (
     HEADER_ELEMENTS,
     HEADER_WEIGHT,
     PURPOSE,
     Coder,
+    KeptPart,
     NonFinite,
     read_part,
     stored_frame,
@@ -128,7 +131,6 @@ class _Round:
     reducer: PartReducer | None = None
     output: np.ndarray | None = None  # where the round's result is written
     in_place: bool = False  # ``output`` is this peer's vector itself
-    settled: asyncio.Event = field(default_factory=asyncio.Event)
     stats: _Stats = field(default_factory=_Stats)
 
 
@@ -212,6 +214,9 @@ class Averager:
         overwritten only once this peer's copy of that part was sent, and its own part is reduced a slice at
         a time through a small buffer. A part that fails then keeps what it holds, which may be partly the
         owner's answer: a caller averaging in place zeroes failed parts (as the engine does).
+
+        Raises :class:`AveragingError` (and emits ``RoundFailed``) when the round fails as a whole: it
+        cannot start, or every part failed.
         """
         started = time.perf_counter()
         try:
@@ -235,13 +240,8 @@ class Averager:
             if rnd.reducer is not None:  # every read into them is over and the part is reduced
                 self._give_back(rnd.reducer)
         finally:
-            red = rnd.reducer
-            if red is not None and not red.done.is_set():  # cancelled: answer waiting senders now
-                red.closed = True
-                red.outcome = PartOutcome(None, [], (), (), (), (), reason=f"round {rnd.key} was abandoned")
-                red.done.set()
-            if red is not None:
-                red.finish()  # handlers still streaming an answer stop waiting for more frames
+            if rnd.reducer is not None:  # cancelled: answer waiting senders now; streaming ones stop waiting
+                rnd.reducer.abandon(f"round {rnd.key} was abandoned")
             del self._rounds[rnd.key]
             self._finished[rnd.key] = None
             while len(self._finished) > self.config.remember_rounds:
@@ -338,27 +338,22 @@ class Averager:
                     owned=False,
                 )
             )
-            if rnd.reducer.settled():
-                rnd.settled.set()
         return rnd
 
-    def _take_buffer(self, length: int) -> np.ndarray:
-        """A buffer of ``length`` values: the shortest spare that holds them (a view of its start), or a
-        new one."""
-        fitting = [i for i, b in enumerate(self._spare) if b.size >= length > 0]
+    def _take_buffer(self, nbytes: int) -> np.ndarray:
+        """A byte buffer of ``nbytes``: the shortest spare that holds them, or a new one."""
+        fitting = [i for i, b in enumerate(self._spare) if b.size >= nbytes > 0]
         if fitting:
             best = min(fitting, key=lambda i: self._spare[i].size)
-            return self._spare.pop(best)[:length]
-        return np.empty(length, dtype=np.float32)
+            return self._spare.pop(best)
+        return np.empty(nbytes, dtype=np.uint8)
 
     def _give_back(self, red: PartReducer) -> None:
         """Keep the buffers of the copies read completely for the next round (a buffer a request may still
         be writing into is never kept: only accepted copies, whose reads are over, come back). The largest
         are kept, as many as this round's other members: a group that shrank (longer parts) leaves its
         shorter buffers to be freed rather than held beside the new ones."""
-        for c in red.contributions.values():
-            if c.owned and c.values is not None and c.values.size:
-                self._spare.append(c.values if c.values.base is None else c.values.base)
+        self._spare.extend(c.storage for c in red.contributions.values() if c.storage is not None)
         self._spare.sort(key=lambda b: b.size, reverse=True)
         del self._spare[max(0, len(red.members) - 1) :]
 
@@ -376,38 +371,22 @@ class Averager:
         stream it while the next slice is reduced."""
         red = rnd.reducer
         assert red is not None
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, rnd.deadline - time.time())):
-                await rnd.settled.wait()
-        except TimeoutError:
-            pass
-        red.closed = True
+                await red.settled.wait()
         t = time.perf_counter()
         start, stop = rnd.bounds[rnd.my_part]
         assert rnd.output is not None
         out = rnd.output[start:stop]
-        terms, clipped, reason = red.plan()  # every norm is known: clipping is decided before any slice
-        done = set(red.contributions) | set(red.rejected)
-        red.outcome = PartOutcome(
-            values=out if terms else None,
-            frames=[],
-            accepted=tuple(sorted(red.contributions)),
-            dropped=tuple(sorted(m for m in red.members if m not in done)),
-            rejected=tuple(sorted(red.rejected)),
-            clipped=clipped,
-            reason=reason,
-        )
-        red.done.set()
+        terms = red.close(out)
         try:
-            if terms:
-                for a, b in subframe_bounds(0, stop - start, self.config.subframe_elements):
-                    red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
+            for a, b in subframe_bounds(0, stop - start, self.config.subframe_elements) if terms else ():
+                red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
         finally:
-            red.outcome.reduce_s = time.perf_counter() - t
-            red.finish()
+            red.finish(reduce_s=time.perf_counter() - t)
 
     def _reduce_encode(
-        self, rnd: _Round, terms: list[tuple[np.ndarray, np.float32, bool]], out: np.ndarray, a: int, b: int
+        self, rnd: _Round, terms: list[Term], out: np.ndarray, a: int, b: int
     ) -> tuple[bytes, bytes | memoryview]:
         """Reduce values ``[a, b)`` of my part into ``out`` and encode them as one frame (call in a thread).
 
@@ -502,13 +481,12 @@ class Averager:
         red = rnd.reducer
         if red is None or part != rnd.my_part:
             raise _Refused(404, f"this peer owns part {rnd.my_part} of round {key}, not part {part}")
-        if red.closed:
-            if cred.peer_id in red.started:  # a second copy after the part closed is a duplicate too
-                red.duplicates.add(cred.peer_id)
+        begun = red.begin(cred.peer_id)
+        if begun == "closed":
             raise _Refused(
                 410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
             )
-        if not red.begin(cred.peer_id):
+        if begun == "duplicate":
             raise _Refused(409, f"peer {cred.peer_id} already sent its copy of part {part} in round {key}")
         try:
             contribution = await self._read_contribution(request, rnd, member, declared, elements)
@@ -516,16 +494,11 @@ class Averager:
             if r.status != 408:
                 red.reject(cred.peer_id, r.text)
                 log.warning("round %s: refused %s's copy of part %d: %s", key, cred.peer_id, part, r.text)
-                if red.settled():
-                    rnd.settled.set()
             raise
-        if red.closed:
+        if not red.accept(contribution):
             raise _Refused(
                 410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
             )
-        red.accept(contribution)
-        if red.settled():
-            rnd.settled.set()
         try:
             async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
                 await red.done.wait()
@@ -571,11 +544,20 @@ class Averager:
         expected = 0 if (declared == 0 and not rnd.uniform) else red.length
         if elements != expected:
             raise _Refused(422, f"peer {peer} sends {elements} values but part {red.part} holds {expected}")
-        buf = self._take_buffer(expected)
+        codec, step = self.config.codec, self.config.subframe_elements
+        storage = None
+        into: KeptPart | np.ndarray | None = None
+        if expected and codec.lossy:  # kept as the codec's payload: 1 or 2 bytes a value instead of 4
+            storage = self._take_buffer(KeptPart.nbytes(codec, expected, step))
+            into = KeptPart(codec, expected, step, storage)
+        elif expected:
+            storage = self._take_buffer(4 * expected)
+            into = storage[: 4 * expected].view(np.float32)
         t = time.perf_counter()
         try:
             async with asyncio.timeout(rnd.deadline - time.time()):
-                norm2, nbytes = await read_part(request.content, self._coder, expected, lambda a, b: buf[a:b])
+                dest = into if isinstance(into, KeptPart) else lambda a, b: into[a:b]
+                norm2, nbytes = await read_part(request.content, self._coder, expected, dest)
         except TimeoutError:
             raise _Refused(
                 408, f"peer {peer}'s copy of part {red.part} did not arrive by the deadline"
@@ -591,7 +573,7 @@ class Averager:
         rnd.stats.decode_s += time.perf_counter() - t
         rnd.stats.bytes_received += nbytes
         weight = 1.0 if rnd.uniform else declared
-        return Contribution(peer, weight, buf if expected else None, math.sqrt(norm2))
+        return Contribution(peer, weight, into, math.sqrt(norm2), storage=storage)
 
     # ------------------------------------------------------------------ sender side
 
@@ -742,32 +724,27 @@ class Averager:
             reasons=reasons,
         )
         nonempty = [j for j, (a, b) in enumerate(rnd.bounds) if b > a]
-        if nonempty and all(j in failed for j in nonempty):
-            self.emit(
-                RoundFailed(
-                    round_id=rnd.assignment.round_id,
-                    step=rnd.assignment.step,
-                    reason="; ".join(failed.values()) or "every part failed",
-                )
+        if nonempty and all(j in failed for j in nonempty):  # nothing was averaged: the round failed
+            reason = "; ".join(failed[j] for j in nonempty)
+            self.emit(RoundFailed(round_id=rnd.assignment.round_id, step=rnd.assignment.step, reason=reason))
+            raise AveragingError(f"round {rnd.key} failed: every part's owner failed ({reason})")
+        self.emit(
+            RoundDone(
+                round_id=rnd.assignment.round_id,
+                kind=tag,
+                step=rnd.assignment.step,
+                members=result.members,
+                my_part=result.my_part,
+                bytes_sent=result.bytes_sent,
+                bytes_received=result.bytes_received,
+                raw_bytes=result.raw_bytes,
+                duration_s=duration,
+                phases=dict(phases),
+                dropped=result.dropped,
+                rejected=result.rejected,
+                clipped=result.clipped,
+                failed_parts=result.failed_parts,
+                duplicates=tuple(sorted(rnd.reducer.duplicates)) if rnd.reducer is not None else (),
             )
-        else:
-            self.emit(
-                RoundDone(
-                    round_id=rnd.assignment.round_id,
-                    kind=tag,
-                    step=rnd.assignment.step,
-                    members=result.members,
-                    my_part=result.my_part,
-                    bytes_sent=result.bytes_sent,
-                    bytes_received=result.bytes_received,
-                    raw_bytes=result.raw_bytes,
-                    duration_s=duration,
-                    phases=dict(phases),
-                    dropped=result.dropped,
-                    rejected=result.rejected,
-                    clipped=result.clipped,
-                    failed_parts=result.failed_parts,
-                    duplicates=tuple(sorted(rnd.reducer.duplicates)) if rnd.reducer is not None else (),
-                )
-            )
+        )
         return result

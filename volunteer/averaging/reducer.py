@@ -5,17 +5,25 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
+
+from crowdtrain.volunteer.averaging.wire import KeptPart
 
 
 @dataclass(slots=True)
 class Contribution:
     peer_id: str
     weight: float
-    values: np.ndarray | None  # None for a weight-0 member that sent no values
+    # float32, or kept in its codec's payload; None for a weight-0 member that sent no values
+    values: np.ndarray | KeptPart | None
     norm: float
     owned: bool = True  # ``values`` is this reducer's buffer (False: a view of the caller's vector)
+    storage: np.ndarray | None = None  # the reusable byte buffer ``values`` live in
+
+
+Term = tuple[np.ndarray | KeptPart, np.float32, bool]  # (a copy, its factor in the mean, owned)
 
 
 @dataclass(slots=True)
@@ -35,12 +43,19 @@ class PartOutcome:
 
 @dataclass(slots=True)
 class PartReducer:
-    """Contributions to the part this peer owns in one round.
+    """Contributions to the part this peer owns in one round, and what became of it: the reducer is the one
+    place that changes that state (through its methods); the averager's routes and its round read it.
 
-    A member's copy is read sub-frame by sub-frame (never a joined body) into a buffer of the part's length.
-    The group's copies of one part together are about the size of the whole vector (G copies of 1/G of
-    it); they are kept until the part closes because clipping to the median norm needs every member's
-    norm before the mean, and a copy that fails a check half-way must leave no trace in the mean.
+    A member's copy is read sub-frame by sub-frame (never a joined body) into a buffer of the part's length
+    (in its codec's payload for a lossy codec, see :class:`KeptPart`). The group's copies of one part
+    together are about the size of the whole vector (G copies of 1/G of it); they are kept until the part
+    closes because clipping to the median norm needs every member's norm before the mean, and a copy that
+    fails a check half-way must leave no trace in the mean.
+
+    Life: each copy is begun (:meth:`begin`), then accepted or rejected (``settled`` once every member's
+    is); :meth:`close` decides the outcome and the terms of the mean (``done``); the answer is published a
+    frame at a time (:meth:`add_frame`) until :meth:`finish` (``complete``). :meth:`abandon` ends the part
+    early, answering every waiting sender at once.
     """
 
     part: int
@@ -52,27 +67,66 @@ class PartReducer:
     rejected: dict[str, str] = field(default_factory=dict)
     duplicates: set[str] = field(default_factory=set)  # sent a second copy (refused with 409)
     closed: bool = False
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # every member's copy is in or refused
     done: asyncio.Event = field(default_factory=asyncio.Event)  # ``outcome`` is decided
     outcome: PartOutcome | None = None
     more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
     complete: asyncio.Event = field(default_factory=asyncio.Event)  # every frame is in, or never will be
 
-    def begin(self, peer_id: str) -> bool:
-        """Mark the start of ``peer_id``'s contribution; False if it already sent one."""
-        if peer_id in self.started:
+    def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
+        """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
+        already sent one: a duplicate, also after the part closed)."""
+        duplicate = peer_id in self.started
+        if duplicate:
             self.duplicates.add(peer_id)
-            return False
+        if self.closed:
+            return "closed"
+        if duplicate:
+            return "duplicate"
         self.started.add(peer_id)
-        return True
+        return "ok"
 
-    def accept(self, c: Contribution) -> None:
+    def accept(self, c: Contribution) -> bool:
+        """Count a copy read completely; False (not counted) when the part closed while it was read."""
+        if self.closed:
+            return False
         self.contributions[c.peer_id] = c
+        self._check_settled()
+        return True
 
     def reject(self, peer_id: str, reason: str) -> None:
         self.rejected[peer_id] = reason
+        self._check_settled()
 
-    def settled(self) -> bool:
-        return len(self.contributions) + len(self.rejected) >= len(self.members)
+    def _check_settled(self) -> None:
+        if len(self.contributions) + len(self.rejected) >= len(self.members):
+            self.settled.set()
+
+    def close(self, out: np.ndarray) -> list[Term]:
+        """Close the part (later copies are refused) and decide its outcome; returns the terms of the mean,
+        to be reduced into ``out`` slice by slice (empty when nothing with a weight arrived)."""
+        self.closed = True
+        terms, clipped, reason = self.plan()  # every norm is known: clipping is decided before any slice
+        done = set(self.contributions) | set(self.rejected)
+        self.outcome = PartOutcome(
+            values=out if terms else None,
+            frames=[],
+            accepted=tuple(sorted(self.contributions)),
+            dropped=tuple(sorted(m for m in self.members if m not in done)),
+            rejected=tuple(sorted(self.rejected)),
+            clipped=clipped,
+            reason=reason,
+        )
+        self.done.set()
+        return terms
+
+    def abandon(self, reason: str) -> None:
+        """End the part now, if its outcome is not decided yet, as failed: waiting senders are answered."""
+        if not self.done.is_set():
+            self.closed = True
+            self.outcome = PartOutcome(None, [], (), (), (), (), reason=reason)
+            self.done.set()
+        self.finish()
 
     def add_frame(self, frame: tuple[bytes, bytes | memoryview]) -> None:
         """Publish the next frame of the answer to the senders waiting for it."""
@@ -81,12 +135,15 @@ class PartReducer:
         woken, self.more = self.more, asyncio.Event()
         woken.set()
 
-    def finish(self) -> None:
-        """No more frames will come (all are in, or the round was abandoned)."""
+    def finish(self, reduce_s: float | None = None) -> None:
+        """No more frames will come (all are in, or the round was abandoned); ``reduce_s``: how long
+        reducing and encoding them took."""
+        if reduce_s is not None and self.outcome is not None:
+            self.outcome.reduce_s = reduce_s
         self.complete.set()
         self.more.set()
 
-    def plan(self) -> tuple[list[tuple[np.ndarray, np.float32, bool]], tuple[str, ...], str]:
+    def plan(self) -> tuple[list[Term], tuple[str, ...], str]:
         """The terms of the weighted mean: (copy, factor) pairs, outliers clipped; once every copy is in.
 
         Returns the terms (empty when nothing with a weight arrived), the clipped members and, on failure,
@@ -116,21 +173,19 @@ class PartReducer:
         return terms, tuple(sorted(clipped)), ""
 
     @staticmethod
-    def reduce_slice(
-        terms: list[tuple[np.ndarray, np.float32, bool]], a: int, b: int, out: np.ndarray
-    ) -> None:
+    def reduce_slice(terms: list[Term], a: int, b: int, out: np.ndarray) -> None:
         """Weighted mean in fp32 of values ``[a, b)`` of every term into ``out`` (in a thread).
 
         Element by element the same operations in the same order whatever the slicing, so a part reduced
         slice by slice is bit for bit the part reduced at once. A term not ``owned`` is a view of the
-        caller's vector: it is never written.
+        caller's vector: it is never written. A kept copy is decoded a slice (one frame) at a time.
         """
         for i, (values, factor, owned) in enumerate(terms):
+            v = values.values(a, b) if isinstance(values, KeptPart) else values[a:b]
             if i == 0:
-                np.multiply(values[a:b], factor, out=out)
-            elif owned:  # a received copy: scale it in place, then add; no temporaries
-                v = values[a:b]
+                np.multiply(v, factor, out=out)
+            elif owned:  # a received copy (or a slice decoded from one): scale it in place, then add
                 v *= factor
                 out += v
             else:  # my own copy: one temporary
-                out += values[a:b] * factor
+                out += v * factor

@@ -96,32 +96,89 @@ class Coder:
         ``body`` None: the frame is a stored codec-none body that :func:`read_part` already read straight
         into ``out``'s memory; only its checksum and values are checked here.
         """
-        n = header.numel
         if body is None:
-            if header.codec is not Codec.NONE or header.encoded_length != 4 * n:
+            if header.codec is not Codec.NONE or header.encoded_length != 4 * header.numel:
                 raise ProtocolError("internal: only a stored codec-none body can be read in place")
             if checksum(memoryview(out).cast("B")) != header.checksum:
                 raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
         else:
-            if len(body) != header.encoded_length:
-                raise ProtocolError(
-                    f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
-                )
-            if checksum(body) != header.checksum:
-                raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
-            raw = self._compressor().decompress(body, raw_size(header.codec, n))
+            raw = self._payload(header, body)
             if header.codec is Codec.NONE:
                 out[:] = np.frombuffer(raw, dtype=np.float32)
             else:
-                out[:] = untransform(raw, header.codec, n)
-        with np.errstate(over="ignore", invalid="ignore"):
-            norm2 = float(np.dot(out, out))  # finite only if every value is: one pass for both
-        if not math.isfinite(norm2):
-            if not np.isfinite(out).all():
-                raise NonFinite("contribution holds NaN or infinite values; check the sender's gradients")
-            wide = out.astype(np.float64)  # finite but its square overflowed float32
-            norm2 = float(np.dot(wide, wide))
-        return norm2
+                out[:] = untransform(raw, header.codec, header.numel)
+        return _norm2(out)
+
+    def decode_kept(self, header: FrameHeader, body: bytes | bytearray, kept: KeptPart, start: int) -> float:
+        """Keep one frame's payload in ``kept`` at value ``start`` as the codec wrote it; return the squared
+        L2 norm of the values it decodes to. Raises on non-finite values."""
+        raw = self._payload(header, body)
+        kept.slot(start, start + header.numel)[:] = np.frombuffer(raw, dtype=np.uint8)
+        return _norm2(untransform(raw, header.codec, header.numel))
+
+    def _payload(self, header: FrameHeader, body: bytes | bytearray) -> bytes | memoryview:
+        """A frame body checked and decompressed: the codec's payload of ``header.numel`` values."""
+        if len(body) != header.encoded_length:
+            raise ProtocolError(
+                f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
+            )
+        if checksum(body) != header.checksum:
+            raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
+        return self._compressor().decompress(body, raw_size(header.codec, header.numel))
+
+
+def _norm2(values: np.ndarray) -> float:
+    """The squared L2 norm of float32 ``values``; :class:`NonFinite` if one of them is NaN or infinite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm2 = float(np.dot(values, values))  # finite only if every value is: one pass for both
+    if not math.isfinite(norm2):
+        if not np.isfinite(values).all():
+            raise NonFinite("contribution holds NaN or infinite values; check the sender's gradients")
+        wide = values.astype(np.float64)  # finite but its square overflowed float32
+        norm2 = float(np.dot(wide, wide))
+    return norm2
+
+
+class KeptPart:
+    """A received copy of a part held in its codec's payload (int8: about 1 byte a value, fp16/bf16: 2)
+    instead of float32, until the owner reduces it: a part owner holds every member's copy of its part, and
+    decoding each slice once more when it is reduced costs less than holding 4 bytes a value.
+
+    Frames sit at fixed places: frame ``k`` holds values ``[k·step, min((k+1)·step, length))``, as every
+    sender cuts a part (:func:`subframe_bounds` with the run's ``subframe_elements``), and the owner reduces
+    the part in the same slices. ``storage`` is a byte buffer of at least :meth:`nbytes`; it is reused.
+    """
+
+    __slots__ = ("_frame", "codec", "length", "step", "storage")
+
+    def __init__(self, codec: Codec, length: int, step: int, storage: np.ndarray) -> None:
+        self.codec = codec
+        self.length = length
+        self.step = step
+        self.storage = storage
+        self._frame = raw_size(codec, step)  # bytes of a full frame's payload
+
+    @staticmethod
+    def nbytes(codec: Codec, length: int, step: int) -> int:
+        full, rest = divmod(length, step)
+        return full * raw_size(codec, step) + (raw_size(codec, rest) if rest else 0)
+
+    def _where(self, a: int, b: int) -> int:
+        if a % self.step or b != min(a + self.step, self.length):
+            raise ProtocolError(
+                f"sub-frame of values {a}..{b} does not start a frame of this part: frames hold "
+                f"{self.step} values each (the last the rest of {self.length})"
+            )
+        return a // self.step * self._frame
+
+    def slot(self, a: int, b: int) -> np.ndarray:
+        """The bytes that hold the payload of the frame of values ``[a, b)``."""
+        at = self._where(a, b)
+        return self.storage[at : at + raw_size(self.codec, b - a)]
+
+    def values(self, a: int, b: int) -> np.ndarray:
+        """Values ``[a, b)`` (one frame) decoded, as a new float32 array."""
+        return untransform(memoryview(self.slot(a, b)), self.codec, b - a)
 
 
 class NonFinite(ProtocolError):
@@ -174,9 +231,10 @@ async def read_part(
     stream: StreamReader,
     coder: Coder,
     elements: int,
-    out_for: Callable[[int, int], np.ndarray],
+    into: Callable[[int, int], np.ndarray] | KeptPart,
 ) -> tuple[float, int]:
-    """Read ``elements`` values as sub-frames from ``stream`` into ``out_for(start, stop)``.
+    """Read ``elements`` values as sub-frames from ``stream`` into ``into(start, stop)`` (decoded to
+    float32), or into a :class:`KeptPart` (payloads as they are, each frame where it belongs).
 
     Returns (squared norm, bytes read). Every size is checked before anything is read; the stream must end
     right after the last frame. The caller bounds the whole read with a timeout. A stored codec-none body
@@ -209,17 +267,23 @@ async def read_part(
                 raise ProtocolError(
                     f"sub-frame body declares {header.encoded_length} bytes, more than {n} values can need"
                 )
-            out = out_for(got, got + n)
             body: bytearray | None
-            if header.codec is Codec.NONE and header.encoded_length == 4 * n:  # stored fp32: read in place
-                body = None
-                await reader.readinto(out.view(np.uint8))
-            else:
+            if isinstance(into, KeptPart):
+                into.slot(got, got + n)  # a frame out of place is refused before its body is read
                 body = await reader.readexactly(header.encoded_length)
+                decode, dest = coder.decode_kept, (into, got)
+            else:
+                out = into(got, got + n)
+                if header.codec is Codec.NONE and header.encoded_length == 4 * n:  # stored fp32: in place
+                    body = None
+                    await reader.readinto(out.view(np.uint8))
+                else:
+                    body = await reader.readexactly(header.encoded_length)
+                decode, dest = coder.decode_into, (out,)
             nbytes += HEADER_SIZE + header.encoded_length
             if pending is not None:
                 norm2 += await pending
-            pending = asyncio.ensure_future(asyncio.to_thread(coder.decode_into, header, body, out))
+            pending = asyncio.ensure_future(asyncio.to_thread(decode, header, body, *dest))
             got += n
         if pending is not None:
             norm2 += await pending

@@ -46,7 +46,9 @@ class StateConfig:
     keep_previous: bool = True  # keep serving the previous snapshot so fetches in progress can finish
     pin_s: float = 30.0  # an older snapshot requested within this many seconds is kept for its fetcher
     max_snapshots: int = 4  # snapshots served at most, pinned ones included
-    compressed_cache_bytes: int = 64 * MiB  # zstd frames of served ranges kept for the next request
+    # zstd frames of served ranges kept for the next request: a small state is compressed once; a large one
+    # would need a budget near its size to gain much, and the frames count in a donor's peak memory
+    compressed_cache_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
         if not 64 * KiB <= self.range_bytes <= 64 * MiB:
