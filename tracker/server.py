@@ -30,6 +30,7 @@ import logging
 import math
 import re
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -67,6 +68,7 @@ from crowdtrain.protocol.messages import (
     encode,
 )
 from crowdtrain.protocol.runcheck import check_run
+from crowdtrain.protocol.serving import bind_listeners, start_serving, stop_serving
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
 from crowdtrain.tracker.collab import Peer, RunState, StateRefused
@@ -82,6 +84,7 @@ log = logging.getLogger("crowdtrain.tracker")
 RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 JSON = "application/json"
 SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
+LISTEN_BACKLOG = 1024  # connections waiting to be accepted (a crowd announcing at once)
 
 
 class ApiError(CrowdtrainError):
@@ -184,6 +187,7 @@ class Tracker:
         self._stop = asyncio.Event()
         self.checker = Checker(config.reachability_timeout_s, config.reachability_concurrency, tasks)
         self._runner: web.AppRunner | None = None
+        self._sockets: list[socket.socket] = []
         self.url = ""
         self.announce_url = ""
         self.port = 0
@@ -230,8 +234,9 @@ class Tracker:
             self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_DRAIN_S
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=1024)
-        await site.start()
+        # Our own sockets (bound as TCPSite would), so that close() can stop accepting before the cleanup.
+        self._sockets = bind_listeners(self.config.host, self.config.port, LISTEN_BACKLOG)
+        await start_serving(self._runner, self._sockets, LISTEN_BACKLOG)
         self.port = self._runner.addresses[0][1]
         host = self.config.host
         if host in ("0.0.0.0", "::", ""):
@@ -249,8 +254,7 @@ class Tracker:
         self._stop.set()
         for run in self.runs.values():  # long-polls answer "wait" now instead of holding the shutdown
             run.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await stop_serving(self._runner, self._sockets)
         await self.checker.close()
         self.store.close()
 

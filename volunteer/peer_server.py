@@ -12,8 +12,10 @@ from collections.abc import Iterable
 from aiohttp import web
 
 from crowdtrain.protocol.httplog import quiet_parser_errors
+from crowdtrain.protocol.serving import bind_listener, start_serving, stop_serving
 
 MAX_BODY = 256 << 20  # the all-reduce routes stream their bodies; this bounds anything read whole
+BACKLOG = 128
 
 
 class PeerServer:
@@ -35,19 +37,8 @@ class PeerServer:
     def bind(self) -> int:
         """Take the port (listening from now on, answering once started); returns it."""
         if self._sock is None:
-            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-            family, kind, proto, _, address = infos[0]
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(address)
-                sock.listen(128)
-                sock.setblocking(False)
-            except OSError:
-                sock.close()
-                raise
-            self._sock = sock
-            self.port = sock.getsockname()[1]
+            self._sock = bind_listener(self.host, self.port, BACKLOG)
+            self.port = self._sock.getsockname()[1]
         return self.port
 
     async def start(self) -> int:
@@ -56,13 +47,11 @@ class PeerServer:
         quiet_parser_errors()
         self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.SockSite(self._runner, self._sock).start()
+        await start_serving(self._runner, [self._sock], BACKLOG)
         return self.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        if self._sock is not None:  # (the runner, if any, serves it: start binds first)
+            await stop_serving(self._runner, [self._sock])
+        self._runner = None
+        self._sock = None

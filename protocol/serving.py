@@ -1,0 +1,95 @@
+"""Listening sockets for our aiohttp servers (the tracker, a volunteer's peer server), and their shutdown.
+
+Each server binds its own sockets (:func:`bind_listener`, :func:`bind_listeners`), serves them with
+:func:`start_serving` and stops with :func:`stop_serving`, never with ``runner.cleanup()`` alone: that one
+can leak a connection accepted just before it. asyncio accepts a connection in one loop iteration and makes
+its transport in a task one iteration later; if the server is closed inside that gap, making the transport
+fails an assertion (``Server._attach``) that asyncio swallows (CPython gh-109564, open; we run 3.11).
+aiohttp then never sees the connection, so the cleanup never closes it, and its socket is reported unclosed
+(a ResourceWarning) once collected. :func:`stop_serving` stops accepting first, lets every connection already
+accepted get its transport and reach aiohttp, and only then cleans up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import Iterable
+
+from aiohttp import web
+
+# asyncio's create_server sets SO_REUSEADDR by default on these platforms only (elsewhere it means another
+# process may bind the same port).
+_REUSE_ADDRESS = os.name == "posix" and sys.platform != "cygwin"
+
+
+def _listen(info: tuple, backlog: int, *, v6only: bool) -> socket.socket:
+    family, kind, proto, _, address = info
+    sock = socket.socket(family, kind, proto)
+    try:
+        if _REUSE_ADDRESS:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if v6only and family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _addresses(host: str, port: int) -> list[tuple]:
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    return list(dict.fromkeys(infos))  # (without repeats, in the resolver's order)
+
+
+def bind_listener(host: str, port: int, backlog: int) -> socket.socket:
+    """One socket listening (non-blocking) on the first address of ``host`` at ``port`` (0: a free one).
+
+    A connection made before :func:`start_serving` waits in the backlog. IPv6 ``::`` keeps the system's
+    dual stack."""
+    return _listen(_addresses(host, port)[0], backlog, v6only=False)
+
+
+def bind_listeners(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Sockets listening on every address of ``host`` at ``port``, as aiohttp's ``TCPSite`` binds them
+    (asyncio's ``create_server``): one socket per address, IPv6 ones IPv6-only, and with port 0 each its own
+    free port."""
+    sockets: list[socket.socket] = []
+    try:
+        for info in _addresses(host, port):
+            sockets.append(_listen(info, backlog, v6only=True))
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def start_serving(runner: web.BaseRunner, sockets: Iterable[socket.socket], backlog: int) -> None:
+    """Serve ``runner`` (set up) on the bound sockets; ``backlog`` as they were bound with (asyncio listens
+    again with it)."""
+    for sock in sockets:
+        await web.SockSite(runner, sock, backlog=backlog).start()
+
+
+async def stop_serving(runner: web.BaseRunner | None, sockets: Iterable[socket.socket]) -> None:
+    """Stop accepting, let the connections already accepted reach aiohttp, clean ``runner`` up (None: it
+    never served), close the sockets. See the module's docstring for why (CPython gh-109564)."""
+    sockets = list(sockets)
+    if runner is not None:
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            if sock.fileno() != -1:
+                loop.remove_reader(sock.fileno())
+        # The first yield runs the accepting tasks' first step (each connection's transport is made, while the
+        # server is still open); the second runs each protocol's connection_made (aiohttp registers it).
+        for _ in range(2):
+            await asyncio.sleep(0)
+        await runner.cleanup()
+    for sock in sockets:
+        sock.close()
