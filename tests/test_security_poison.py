@@ -144,9 +144,6 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
                 seed=7,
                 max_steps=STEPS,
                 client_mode=True,
-                # a round whose every part was refused fails as a whole, and an honest peer would then
-                # fetch the state (sitting out a step with weight 0); an attacker goes on poisoning
-                catch_up=False,
             )
         )
         results = await asyncio.wait_for(

@@ -16,7 +16,10 @@ Failures are local, never a hang: a copy that arrives after the deadline is drop
 renormalised; a copy that fails a check is refused with a 4xx sentence and listed as rejected; a sender
 whose owner fails keeps its own values for that part and lists it in ``failed_parts``. A round returns by
 the deadline plus ``grace_s``. A round fails as a whole (:class:`AveragingError`, after a ``RoundFailed``
-event; one meaning for both) when it cannot start or when every part failed, so nothing was averaged.
+event; one meaning for both) only when it cannot start. Once started it returns, with ``RoundDone``, even when
+every part failed: the group then agrees on what each part holds (a part with no copy of positive weight
+fails alike for all its members, e.g. when no member had samples), which a round failed as a whole (the
+caller then fetches the state) would not keep.
 
 Wire: the request carries the peer headers of :mod:`crowdtrain.protocol.peerauth` signed over
 (``"allreduce"``, round key, part, weight, values), plus ``X-Crowdtrain-Weight`` (samples, ≤ the weight
@@ -215,8 +218,8 @@ class Averager:
         a time through a small buffer. A part that fails then keeps what it holds, which may be partly the
         owner's answer: a caller averaging in place zeroes failed parts (as the engine does).
 
-        Raises :class:`AveragingError` (and emits ``RoundFailed``) when the round fails as a whole: it
-        cannot start, or every part failed.
+        Raises :class:`AveragingError` (and emits ``RoundFailed``) when the round cannot start; once started
+        it returns (and emits ``RoundDone``), listing the parts that failed.
         """
         started = time.perf_counter()
         try:
@@ -723,11 +726,6 @@ class Averager:
             phases=phases,
             reasons=reasons,
         )
-        nonempty = [j for j, (a, b) in enumerate(rnd.bounds) if b > a]
-        if nonempty and all(j in failed for j in nonempty):  # nothing was averaged: the round failed
-            reason = "; ".join(failed[j] for j in nonempty)
-            self.emit(RoundFailed(round_id=rnd.assignment.round_id, step=rnd.assignment.step, reason=reason))
-            raise AveragingError(f"round {rnd.key} failed: every part's owner failed ({reason})")
         self.emit(
             RoundDone(
                 round_id=rnd.assignment.round_id,
