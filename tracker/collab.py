@@ -33,7 +33,6 @@ costs O(1) whatever the number of peers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import secrets
@@ -42,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey, sign_assignment
 from crowdtrain.protocol.messages import (
     Donor,
@@ -532,10 +532,7 @@ class RunState:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            changed = self.changed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await changed.wait()
+            await wait_at_most(self.changed, remaining)
         return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None)
 
     def _reopen(self) -> None:

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from crowdtrain import __version__
 from crowdtrain.protocol import bencode
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, ConfigError, CrowdtrainError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.httplog import quiet_parser_errors
@@ -262,9 +263,7 @@ class Tracker:
         """Close steps on their timeout, form groups after the gather window, expire silent peers."""
         last_expiry = 0.0
         while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.1):
-                    await self._stop.wait()
+            await wait_at_most(self._stop, 0.1)
             now = time.time()
             expire = time.monotonic() - last_expiry >= min(1.0, self.config.peer_ttl_s / 4)
             for run in list(self.runs.values()):

@@ -42,6 +42,7 @@ import torch
 from crowdtrain import __version__
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import (
@@ -145,15 +146,6 @@ class _Replay:
             if has_params:
                 self._path(step, "params").unlink(missing_ok=True)
         self._steps.clear()
-
-
-async def _wait(event: asyncio.Event, seconds: float) -> None:
-    """Wait for ``event`` at most ``seconds``. Not ``asyncio.wait_for``: on Python 3.11 it can swallow a
-    cancellation that arrives as the event is set, and a training loop that swallowed Ctrl-C waited for a
-    step reply forever (seen in the across-hosts test: the join never exited)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await event.wait()
 
 
 @dataclass(slots=True)
@@ -575,7 +567,7 @@ class Volunteer:
                     progress=s.progress,
                 )
             )
-            await _wait(self._stop, STATS_INTERVAL_S)
+            await wait_at_most(self._stop, STATS_INTERVAL_S)
 
     # ------------------------------------------------------------------ tracker
 
@@ -766,7 +758,7 @@ class Volunteer:
                     self._heartbeat_now.set()
                 # (slowly while the tracker says the run cannot step: asking often would not help)
                 poll_s = self.heartbeat_interval if self._notice else IDLE_POLL_S
-                await _wait(self._reply_changed, poll_s)
+                await wait_at_most(self._reply_changed, poll_s)
                 if not self._reply_changed.is_set():
                     self._heartbeat_now.set()
                 self._reply_changed.clear()
@@ -805,7 +797,7 @@ class Volunteer:
             else:
                 # No verified chunk yet: nothing to compute, but this peer still takes part in its
                 # group's rounds with weight 0, so its parameters stay those of the run.
-                await _wait(self._reply_changed, 0.1)
+                await wait_at_most(self._reply_changed, 0.1)
                 self._reply_changed.clear()
             reply = self._reply
             if reply is None:

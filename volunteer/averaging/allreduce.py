@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
 import re
@@ -60,6 +59,7 @@ import numpy as np
 from aiohttp import web
 
 from crowdtrain.protocol import peerauth
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.codecs import Residual
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError
@@ -374,9 +374,7 @@ class Averager:
         stream it while the next slice is reduced."""
         red = rnd.reducer
         assert red is not None
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, rnd.deadline - time.time())):
-                await red.settled.wait()
+        await wait_at_most(red.settled, rnd.deadline - time.time())
         t = time.perf_counter()
         start, stop = rnd.bounds[rnd.my_part]
         assert rnd.output is not None

@@ -35,6 +35,7 @@ from typing import BinaryIO
 import aiohttp
 import zstandard
 
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError, StateSyncError
 from crowdtrain.protocol.limits import Limits
@@ -340,12 +341,7 @@ class _Fetcher:
                         job.parts[k] = b""  # written: its bytes are no longer needed
                 hashed += len(ready)
                 continue
-            changed = job.changed
-            try:
-                async with asyncio.timeout(1.0):
-                    await changed.wait()
-            except TimeoutError:
-                pass
+            await wait_at_most(job.changed, 1.0)
 
     def _failure(self, what: str) -> StateSyncError:
         tried = [
@@ -435,12 +431,7 @@ class _Fetcher:
                 continue
             index = self._pick(i)
             if index is None:
-                changed = job.changed
-                try:
-                    async with asyncio.timeout(1.0):
-                        await changed.wait()
-                except TimeoutError:
-                    pass
+                await wait_at_most(job.changed, 1.0)
                 continue
             await self._attempt(i, index)
 
