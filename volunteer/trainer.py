@@ -219,10 +219,13 @@ class Trainer:
 
     def mean_buffer(self) -> np.ndarray | None:
         """Where to write a mean gradient that :meth:`apply` then steps with, copying nothing: the
-        accumulation buffer itself on the CPU (the accumulation is dropped), None on a GPU."""
+        accumulation buffer itself on the CPU (the accumulation is dropped, and the buffer is zeroed before
+        the next one adds to it, as after :meth:`take_grad`), None on a GPU."""
         if self.device.type != "cpu":
             return None
-        self.reset_accumulation()
+        self._bind_grads()
+        self._samples = 0
+        self._consumed = True  # (not zeroed here: the caller overwrites every value)
         return self._grad.numpy()
 
     def reset_accumulation(self) -> None:
