@@ -338,7 +338,6 @@ class Averager:
                     1.0 if uniform else float(weight),
                     own,
                     float(np.linalg.norm(own)),
-                    owned=False,
                 )
             )
         return rnd

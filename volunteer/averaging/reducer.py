@@ -19,8 +19,13 @@ class Contribution:
     # float32, or kept in its codec's payload; None for a weight-0 member that sent no values
     values: np.ndarray | KeptPart | None
     norm: float
-    owned: bool = True  # ``values`` is this reducer's buffer (False: a view of the caller's vector)
-    storage: np.ndarray | None = None  # the reusable byte buffer ``values`` live in
+    # the reusable byte buffer a received copy lives in; None: ``values`` is a view of the caller's vector
+    storage: np.ndarray | None = None
+
+    @property
+    def owned(self) -> bool:
+        """``values`` is this reducer's buffer (a received copy), which the reduction may scale in place."""
+        return self.storage is not None
 
 
 Term = tuple[np.ndarray | KeptPart, np.float32, bool]  # (a copy, its factor in the mean, owned)
