@@ -250,11 +250,13 @@ class RunState:
     def _allot(self, peer: Peer) -> int:
         """How many samples ``peer`` may accumulate for this step (it is not accounted while this runs).
 
-        The target is shared out by rate: a peer's fair share is ``target × its rate ÷ computing_rate``. It
-        is allotted that, within what the others do not hold or were not allotted yet, and never less than
-        it holds; a peer that reached its allotment while samples are still free gets its share of those.
-        The allotments never sum above the target, so a step closes on exactly its target (or below it, on
-        its timeout)."""
+        What is left of the target (the samples no peer holds yet) is shared out by rate: a peer's fair
+        share is what it holds plus ``left × its rate ÷ computing_rate``, so the peers finish together even
+        when they began the step with different samples in hand (computed ahead, with delay 1). It is
+        allotted that, within what the others do not hold or were not allotted yet, and never less than it
+        holds; a peer that reached its allotment while samples are still free gets its share of those. The
+        allotments never sum above the target, so a step closes on exactly its target (or below it, on its
+        timeout)."""
         if not peer.computing:
             return peer.samples
         free = self.target - self.reserved - peer.samples
@@ -265,8 +267,8 @@ class RunState:
         known = max(0.0, self.rate_sum - self.idle_rate) + max(r, 0.0)
         total = known * (1 + unrated / rated) if rated else 0.0  # an unknown rate counts as the mean
         share = r / total if r > 0 and total > 0 else 1 / max(1, rated + unrated)
-        fair = math.ceil(self.target * share)
-        more = max(fair - peer.samples, 0)
+        left = max(0, self.target - self.step_samples - peer.samples)
+        more = math.ceil(left * share)
         if peer.samples >= peer.allotted:  # at its allotment: a share of what is still free
             more = max(more, math.ceil(free * share))
         allotted = peer.samples + min(free, max(more, peer.allotted - peer.samples, 0))
@@ -501,10 +503,11 @@ class RunState:
         began = time.monotonic()
         for peer in moved:
             self._unaccount(peer)
-            peer.step, peer.samples, peer.computing = (
+            peer.step, peer.samples, peer.computing, peer.allotted = (
                 step + 1,
                 min(ahead.get(peer.peer_id, 0), self.target),
                 True,
+                0,  # its allotment of the step before must not hold samples of this one
             )
             peer.step_base, peer.step_since = peer.samples, began
             self._account(peer)
