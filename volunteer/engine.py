@@ -33,6 +33,7 @@ import json
 import logging
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +86,11 @@ STATS_INTERVAL_S = 1.0
 LOCAL_REPORT_S = 1.0
 WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step closed or needs more
+# The compute rate a peer reports (the tracker shares each step out by it) is samples ÷ seconds over its
+# last RATE_WINDOW micro-batches, not a smoothing that weighs the last few most: where peers share cores,
+# the last to finish a step computes alone and fast for a moment, and a rate taken there would allot it more
+# of the next step, which it then finishes last again while the others wait.
+RATE_WINDOW = 16
 # Writing snapshots takes at most 1/SNAPSHOT_SPACING of the time: every K steps, K the smallest power of
 # two (times ``snapshot_every``) with K × step time ≥ SNAPSHOT_SPACING × write time. Powers of two keep the
 # peers' snapshots on the same steps (those of a slower writer are a subset), so a newcomer finds several
@@ -265,6 +271,7 @@ class Volunteer:
         self._stop = asyncio.Event()
         self._loss_ema: float | None = None
         self._samples_per_s = 0.0
+        self._rate_window: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (samples, seconds)
         self._address: str | None = None  # where others reach this peer (for the view)
         self._declared: str | None = None  # what the join and heartbeats declare (see _declared_address)
         self._notice: str | None = None
@@ -778,11 +785,10 @@ class Volunteer:
                 micro_batches += 1
                 self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
                 self._step_loss = (self._step_loss[0] + loss * n, self._step_loss[1] + n)
-                # compute throughput (not counting waits), smoothed: what this peer's share is made of
-                rate = n / max(now - started, 1e-6)
-                self._samples_per_s = (
-                    rate if not self._samples_per_s else 0.8 * self._samples_per_s + 0.2 * rate
-                )
+                # compute throughput (not counting waits) over the last micro-batches: its share is made of it
+                self._rate_window.append((n, now - started))
+                seconds = sum(s for _, s in self._rate_window)
+                self._samples_per_s = sum(k for k, _ in self._rate_window) / max(seconds, 1e-6)
                 if now - last_report >= LOCAL_REPORT_S:
                     last_report = now
                     self.emit(
@@ -907,6 +913,8 @@ class Volunteer:
             and quota // 2 > 0
             and self._round_settled()
             and not self._notice
+            # the run's last step for this peer: nothing comes after it to compute ahead for
+            and (self.config.max_steps is None or self.step + 1 < self.config.max_steps)
         )
 
     async def _hand_over(self, catching_up: bool) -> _Taken:
