@@ -340,6 +340,26 @@ async def test_a_step_every_peer_is_done_with_closes_and_samples_computed_ahead_
     assert (await a.heartbeat(1, 12)).samples == 12 + 5  # b's 5 are counted until it reports itself
 
 
+async def test_what_is_left_of_a_step_is_shared_by_rate_so_peers_with_a_head_start_finish_with_the_others(
+    tracker, client
+):
+    """Delay 1: a peer that computed 12 samples ahead holds them when the next step opens; the 108 left of
+    the target are shared out by rate on top of what each holds, so three peers of one rate each have 36
+    more to compute (and finish together), not a third of the target each (which would leave the peer with
+    the head start waiting for the others)."""
+    run_id = await new_run(client, target=120, group_size=3, gather_s=5.0, delay=1)
+    peers = await joined(client, run_id, 3)
+    for v in peers:
+        await v.heartbeat(0, 0, samples_per_s=10.0)
+    for v in peers:
+        reply = await v.heartbeat(0, 40, samples_per_s=10.0, computing=False)
+    assert reply.step_closed
+    a, b, c = peers
+    replies = await asyncio.gather(a.ready(0, 40, ahead=12), b.ready(0, 40), c.ready(0, 40))
+    assert [r.status for r in replies] == ["group"] * 3
+    assert [r.next_allotment for r in replies] == [12 + 36, 36, 36]
+
+
 async def test_inflated_samples_and_weights_are_capped_so_a_liar_neither_closes_a_step_nor_outweighs(client):
     """Issue 16: a joined peer (its own key, hand-made numbers) heartbeats 10⁹ samples and asks to be
     averaged with weight 10¹²; the tracker credits what its rate allows and at most its share cap, and the

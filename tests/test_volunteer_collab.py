@@ -53,6 +53,9 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
         r.samples for r in history
     ]
     assert all(s.steps_missed == 0 for s in summaries)
+    # nobody computed toward a step the run (for them) never takes: with delay 1, no computing ahead past
+    # the last one
+    assert all(max(rec.batches) == STEPS - 1 for rec in recs), [sorted(rec.batches) for rec in recs]
     for step in range(1, STEPS + 1):
         first = recs[0].params[step]
         for rec in recs[1:]:
