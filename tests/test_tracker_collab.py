@@ -360,6 +360,30 @@ async def test_what_is_left_of_a_step_is_shared_by_rate_so_peers_with_a_head_sta
     assert [r.next_allotment for r in replies] == [12 + 36, 36, 36]
 
 
+async def test_a_heartbeat_for_the_step_before_neither_moves_a_peer_back_nor_frees_its_allotment(
+    tracker, client
+):
+    """A heartbeat a volunteer sent for step 0 before its ready reply moved it to step 1 arrives after that
+    reply: it must not move the peer back to step 0 (its step-1 allotment would be shared out to the others
+    while it computes toward it, and the step would overshoot its target), nor, saying "not computing",
+    close step 1 early."""
+    run_id = await new_run(client, target=100, group_size=2, gather_s=5.0, delay=1, max_peer_share=1.0)
+    a, b = await joined(client, run_id, 2)
+    for v in (a, b):
+        await v.heartbeat(0, 0, samples_per_s=10.0)
+    await a.heartbeat(0, 50, samples_per_s=10.0, computing=False)
+    assert (await b.heartbeat(0, 50, samples_per_s=10.0, computing=False)).step_closed
+    replies = await asyncio.gather(a.ready(0, 50, ahead=10), b.ready(0, 50))
+    allotted = replies[0].next_allotment
+    assert allotted == 10 + 45
+    stale = await a.heartbeat(0, 50, samples_per_s=10.0, computing=False)  # sent before the ready reply
+    assert (stale.global_step, stale.step_closed, stale.samples) == (1, False, 10)
+    # b asks for more: a's allotment still stands, so b gets none of it, and a keeps it
+    assert (await b.heartbeat(1, 45, samples_per_s=10.0)).allotment == 45
+    reply = await a.heartbeat(1, 14, samples_per_s=10.0)
+    assert (reply.allotment, reply.samples) == (allotted, 14 + 45)
+
+
 async def test_inflated_samples_and_weights_are_capped_so_a_liar_neither_closes_a_step_nor_outweighs(client):
     """Issue 16: a joined peer (its own key, hand-made numbers) heartbeats 10⁹ samples and asks to be
     averaged with weight 10¹²; the tracker credits what its rate allows and at most its share cap, and the

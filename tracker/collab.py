@@ -315,12 +315,17 @@ class RunState:
     def heartbeat(self, peer: Peer, hb: Heartbeat) -> None:
         self._unaccount(peer)
         now = time.monotonic()
-        peer.samples_per_s = max(peer.samples_per_s, hb.samples_per_s)  # the growth allowed since last time
-        self._credit(peer, hb.step, hb.samples, now)
+        # A heartbeat for a step before the peer's (sent before it heard that a round moved it on, answered
+        # after) says nothing of the step it is at: crediting it would move the peer back, free its allotment
+        # for the others while it computes toward it, and overshoot the target; "not computing" would
+        # close its new step early.
+        if hb.step >= peer.step:
+            peer.samples_per_s = max(peer.samples_per_s, hb.samples_per_s)  # the growth allowed since then
+            self._credit(peer, hb.step, hb.samples, now)
+            peer.computing = hb.computing
         peer.samples_per_s = hb.samples_per_s
         peer.chunks_held = hb.chunks_held
         peer.loss = hb.loss
-        peer.computing = hb.computing
         peer.compute_share = hb.compute_share
         peer.last_seen = time.monotonic()
         if peer.step != self.global_step or self.closed_at is not None:
