@@ -270,7 +270,6 @@ class Volunteer:
         self._at_quota = False  # stopped at its share of the step, waiting for the close
         self._stop = asyncio.Event()
         self._loss_ema: float | None = None
-        self._samples_per_s = 0.0
         self._rate_window: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (samples, seconds)
         self._address: str | None = None  # where others reach this peer (for the view)
         self._declared: str | None = None  # what the join and heartbeats declare (see _declared_address)
@@ -785,10 +784,7 @@ class Volunteer:
                 micro_batches += 1
                 self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
                 self._step_loss = (self._step_loss[0] + loss * n, self._step_loss[1] + n)
-                # compute throughput (not counting waits) over the last micro-batches: its share is made of it
                 self._rate_window.append((n, now - started))
-                seconds = sum(s for _, s in self._rate_window)
-                self._samples_per_s = sum(k for k, _ in self._rate_window) / max(seconds, 1e-6)
                 if now - last_report >= LOCAL_REPORT_S:
                     last_report = now
                     self.emit(
@@ -822,6 +818,14 @@ class Volunteer:
         # delay 1: the last step's average is still under way; its group counts on this peer's part
         if self._round_task is not None:
             await self._conclude(await self._await_round())
+
+    @property
+    def _samples_per_s(self) -> float:
+        """Compute throughput (not counting waits) over the last RATE_WINDOW micro-batches (0 before the
+        first): what this peer's share of a step is made of."""
+        if not self._rate_window:
+            return 0.0
+        return sum(n for n, _ in self._rate_window) / max(sum(s for _, s in self._rate_window), 1e-6)
 
     def _compute_share(self) -> float | None:
         """Share of the wall time since the first micro-batch spent computing gradients that entered an
