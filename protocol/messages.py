@@ -274,6 +274,9 @@ class HeartbeatReply(Message, kw_only=True):
     # how many samples this peer may accumulate for ``global_step``: its share of the target, by rate
     # (tracker/collab.py, RunState._allot); None while the step is closed or the peer is not at it
     allotment: int | None = None
+    # delay 1: how many samples this peer may compute ahead for the next step once done with this one: its
+    # share of a step by rate, room left for peers of unknown rate (RunState.ahead_share); None: unknown
+    ahead_share: int | None = None
 
 
 class StepWatch(Message, kw_only=True):
@@ -297,7 +300,8 @@ class ReadyRequest(Message, kw_only=True):
     peer_id: str
     step: Count
     weight: Count  # samples accumulated toward ``step``; 0 is allowed (the peer still gets the average)
-    # delay 1: samples already computed toward ``step + 1`` (while waiting for ``step`` to close)
+    # delay 1: samples already computed toward ``step + 1`` (while waiting for ``step`` to close), no more
+    # than its ``ahead_share``
     ahead: Count = 0
 
 

@@ -360,6 +360,62 @@ async def test_what_is_left_of_a_step_is_shared_by_rate_so_peers_with_a_head_sta
     assert [r.next_allotment for r in replies] == [12 + 36, 36, 36]
 
 
+async def test_the_share_a_peer_may_compute_ahead_is_its_rate_share_with_room_for_peers_of_unknown_rate(
+    tracker, client
+):
+    """Delay 1: a peer done with its share is told how many samples it may compute ahead for the next step:
+    its share of a step by rate among the peers computing for the run, itself included though it is done,
+    a peer of unknown rate counted at the mean (room for it), a peer that computes nothing (downloading)
+    not at all. A ready call's samples ahead are credited up to that share even above the step's weight."""
+    run_id = await new_run(client, target=120, group_size=4, gather_s=5.0, delay=1)
+    a, b, c, d = await joined(client, run_id, 4)
+    await d.heartbeat(0, 0, samples_per_s=0.0, computing=False)  # downloading: no room kept for it
+    for v, rate in ((b, 10.0), (c, 20.0)):
+        await v.heartbeat(0, 0, samples_per_s=rate)
+    reply = await a.heartbeat(0, 10, samples_per_s=10.0, computing=False)
+    assert reply.ahead_share == 120 * 10 // 40
+    await d.heartbeat(0, 0, samples_per_s=0.0)  # has a chunk now, rate unknown: counted at the mean
+    reply = await a.heartbeat(0, 10, samples_per_s=10.0, computing=False)
+    assert reply.ahead_share == 120 * 10 * 3 // (40 * 4)
+    assert (await c.heartbeat(0, 20, samples_per_s=20.0)).ahead_share == 120 * 20 * 3 // (40 * 4)
+    # a ready call's samples ahead are credited up to the peer's share, above its weight (10) too, no more
+    # (the next allotments: what is left shared by rate on top of what each holds, a's within its share cap)
+    for ahead, credited, allotted in ((40, 40, [60, 40]), (100, 60, [60, 30])):
+        run_id = await new_run(client, target=120, group_size=2, gather_s=5.0, delay=1)
+        a, b = await joined(client, run_id, 2)
+        await b.heartbeat(0, 0)
+        assert (await a.heartbeat(0, 10, computing=False)).ahead_share == 60  # half the step, as b's rate
+        assert (await b.heartbeat(0, 60, computing=False)).step_closed
+        replies = await asyncio.gather(a.ready(0, 10, ahead=ahead), b.ready(0, 60))
+        assert [r.next_allotment for r in replies] == allotted
+        assert (await b.heartbeat(1, 0)).samples == credited
+
+
+async def test_peers_that_began_alone_and_computed_ahead_leave_room_for_those_that_come_after(
+    tracker, client
+):
+    """Delay 1: two peers compute step 0 while two others download. Once those two have a chunk, the
+    first two may compute ahead only their rate share of a step with the newcomers counted at the mean,
+    and the newcomers are allotted the rest of step 1: no peer keeps the others out of the run by computing
+    ahead."""
+    run_id = await new_run(client, target=64, group_size=4, gather_s=5.0, delay=1)
+    a, b, c, d = await joined(client, run_id, 4)
+    for v in (c, d):
+        await v.heartbeat(0, 0, samples_per_s=0.0, computing=False)
+    await b.heartbeat(0, 0, samples_per_s=10.0)
+    assert (await a.heartbeat(0, 32, samples_per_s=10.0, computing=False)).ahead_share == 32
+    assert (await b.heartbeat(0, 32, samples_per_s=10.0, computing=False)).step_closed
+    for v in (c, d):  # a chunk each now
+        await v.heartbeat(0, 0, samples_per_s=0.0)
+    assert (await a.heartbeat(0, 32, samples_per_s=10.0, computing=False)).ahead_share == 16
+    replies = await asyncio.gather(
+        a.ready(0, 32, ahead=16), b.ready(0, 32, ahead=16), c.ready(0, 0), d.ready(0, 0)
+    )
+    assert [r.status for r in replies] == ["group"] * 4
+    # what is left (32) shared by rate, an unknown rate at the mean: a quarter each on top of what each holds
+    assert [r.next_allotment for r in replies] == [16 + 8, 16 + 8, 8, 8]
+
+
 async def test_a_heartbeat_for_the_step_before_neither_moves_a_peer_back_nor_frees_its_allotment(
     tracker, client
 ):

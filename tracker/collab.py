@@ -132,7 +132,10 @@ class RunState:
         self.step_samples = 0
         self.step_contributors = 0
         self.rate_sum = 0.0
-        self.idle_rate = 0.0  # Σ rate of peers at this step that compute nothing (catching up, no chunk)
+        self.idle_rate = 0.0  # Σ rate of peers at this step that compute nothing for it (incl. done ones)
+        # of those, the peers done with this step (holding samples of it, computing the next one ahead)
+        self.done_rate = 0.0
+        self.done_rated = 0
         # peers computing (or on their way to this step) whose rate is known, and those whose is not yet
         self.rated = 0
         self.unrated = 0
@@ -179,8 +182,11 @@ class RunState:
         r = peer.samples_per_s
         self.rate_sum += sign * r
         at_step = peer.step == self.global_step
-        if at_step and not peer.computing:  # catching up or holding no chunk: its rate computes nothing
+        if at_step and not peer.computing:  # done, catching up or holding no chunk: computes no more for it
             self.idle_rate += sign * r
+            if peer.samples > 0:  # done with it (delay 1: computing the next step ahead)
+                self.done_rate += sign * r
+                self.done_rated += sign * (r > 0)
         else:
             self.rated += sign * (r > 0)
             self.unrated += sign * (r <= 0)
@@ -235,7 +241,7 @@ class RunState:
     def _credit_ready(self, peer_id: str, step: int, weight: int, ahead: int) -> tuple[int, int]:
         """The weight and computed-ahead samples credited to a ready call: the weight as a heartbeat's
         samples would be (it counts for the step's samples too), the samples ahead no more than the weight
-        (a peer computes ahead at most half its allotment) or the share cap."""
+        or the peer's share of a step by rate (what it is told it may compute ahead), nor the share cap."""
         peer = self.peers.get(peer_id)
         if peer is None:
             return 0, 0
@@ -245,7 +251,8 @@ class RunState:
             self._credit(peer, step, weight, now)
             weight = peer.samples
             self._account(peer)
-        return weight, min(ahead, max(weight, 2 * self.spec.micro_batch_size), self.share_cap(others=True))
+        bound = max(weight, self.ahead_share(peer) or 0, 2 * self.spec.micro_batch_size)
+        return weight, min(ahead, bound, self.share_cap(others=True))
 
     def _allot(self, peer: Peer) -> int:
         """How many samples ``peer`` may accumulate for this step (it is not accounted while this runs).
@@ -274,9 +281,23 @@ class RunState:
         allotted = peer.samples + min(free, max(more, peer.allotted - peer.samples, 0))
         return max(peer.samples, min(allotted, self.share_cap(others=self.present > 0)))
 
+    def ahead_share(self, peer: Peer) -> int | None:
+        """How many samples ``peer`` may compute ahead for the next step (delay 1): its share of a step by
+        rate among the peers that compute for the run (those still at this step, those done with it, those
+        at another step), a peer of unknown rate counted at the mean, so room is left for peers that arrive.
+        None while its own rate is unknown. ``peer`` is accounted."""
+        r = peer.samples_per_s
+        rated = self.rated + self.done_rated
+        if r <= 0 or not rated:
+            return None
+        known = max(self.rate_sum - self.idle_rate + self.done_rate, r)
+        share = r * rated / (known * (rated + self.unrated))  # an unknown rate counts as the mean
+        return min(math.floor(self.target * share + 1e-9), self.share_cap(others=True))
+
     def _recount(self) -> None:
         self.step_samples = self.step_contributors = 0
-        self.rate_sum = self.idle_rate = 0.0
+        self.rate_sum = self.idle_rate = self.done_rate = 0.0
+        self.done_rated = 0
         self.reserved = self.computing = self.present = 0
         self.rated = self.unrated = 0
         for peer in self.peers.values():

@@ -285,9 +285,11 @@ class Volunteer:
         self._round_task: asyncio.Future[_Round] | None = None  # delay 1: the step averaged in the background
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         # delay 1: this step's gradient, taken once its share was computed; meanwhile the next step's
-        # micro-batches are computed ahead, up to ``_ahead_cap`` samples
+        # micro-batches are computed ahead, up to ``_ahead_cap`` samples: its share of a step by rate, as the
+        # tracker last said (``_ahead_share``), or half its allotment from a tracker that does not say
         self._early: _Taken | None = None
         self._ahead_cap = 0
+        self._ahead_share: int | None = None
         # its ready call, made as soon as a heartbeat says the step closed: (step, task)
         self._ready_task: tuple[int, asyncio.Task[ReadyReply | None]] | None = None
         self._asking: int | None = None  # the step the training loop asks a group for, if it does
@@ -602,6 +604,9 @@ class Volunteer:
             self.credential,
         )
         self._set_quota(reply, step)
+        self._ahead_share = reply.ahead_share
+        if self._early is not None and reply.ahead_share is not None:
+            self._ahead_cap = reply.ahead_share  # the shares move with the rates
         self._reply = reply
         self._reply_changed.set()
         early = self._early
@@ -614,7 +619,7 @@ class Volunteer:
         ):
             # computing ahead: say "ready" now, not after the micro-batch in flight
             task = asyncio.get_running_loop().create_task(
-                self._ask_group(early.step, early.weight, self._ahead_cap)
+                self._ask_group(early.step, early.weight, ahead=True)
             )
             self._ready_task = (early.step, task)
         self._told_reachability(reply)
@@ -750,8 +755,8 @@ class Volunteer:
                 if self._may_take_early(quota):
                     # delay 1: its share is computed; take it, apply the previous step's average and compute
                     # the next step's micro-batches on those parameters while the others finish this step
+                    self._ahead_cap = self._next_cap(quota)
                     self._early = await self._hand_over(catching_up=False)
-                    self._ahead_cap = quota // 2  # never more than the next allotment (≈ this one)
                     if self._pending_state is not None:  # the previous round failed: catching up now
                         self._early = None
                     self._heartbeat_now.set()  # tell the tracker it is done with this step
@@ -872,9 +877,8 @@ class Volunteer:
         if prepared is not None and asked is None:
             prepared[1].cancel()
         if taken is not None and asked is None:
-            # it will have computed at least ``_ahead_cap`` samples for the next step (its allotment of it
-            # is never below what it reports)
-            asked = asyncio.get_running_loop().create_task(self._ask_group(step, weight, self._ahead_cap))
+            # with the samples it computed for the next step so far (its allotment of it is never below them)
+            asked = asyncio.get_running_loop().create_task(self._ask_group(step, weight, ahead=True))
         self._phase("waiting-for-group")
         self._asking = step
         try:
@@ -914,12 +918,18 @@ class Volunteer:
             and self._early is None
             and self._pending_state is None
             and self.trainer.samples > 0
-            and quota // 2 > 0
+            and self._next_cap(quota) > 0
             and self._round_settled()
             and not self._notice
             # the run's last step for this peer: nothing comes after it to compute ahead for
             and (self.config.max_steps is None or self.step + 1 < self.config.max_steps)
         )
+
+    def _next_cap(self, quota: int) -> int:
+        """How many samples to compute ahead for the next step once this one's ``quota`` is computed: this
+        peer's share of a step by rate, as the tracker last said (it leaves room for the others, newcomers
+        too), or half the allotment from a tracker that does not say."""
+        return self._ahead_share if self._ahead_share is not None else quota // 2
 
     async def _hand_over(self, catching_up: bool) -> _Taken:
         """Take the step's gradient out of the accumulation. With delay 1 the previous step's average is
@@ -1059,14 +1069,17 @@ class Volunteer:
             values = result.values
         return values, failed
 
-    async def _ask_group(self, step: int, weight: int, ahead: int = 0) -> ReadyReply | None:
+    async def _ask_group(self, step: int, weight: int, *, ahead: bool = False) -> ReadyReply | None:
         """Long-poll ``ready`` until the tracker answers with a group, ``missed`` or ``open``; None if it
-        cannot be asked. Changes nothing here (it may run beside the training loop)."""
+        cannot be asked. ``ahead``: each call says how many samples it computed for the next step by then
+        (computed, not promised: a promise would count toward that step before it is kept). Changes nothing
+        here (it may run beside the training loop)."""
         while not self._stop.is_set():
+            computed = self.trainer.samples if ahead and self._early is not None else 0
             try:
                 reply = await self.tracker.ready(
                     self.config.run_id,
-                    ReadyRequest(peer_id=self.peer_id, step=step, weight=weight, ahead=ahead),
+                    ReadyRequest(peer_id=self.peer_id, step=step, weight=weight, ahead=computed),
                     self.key,
                     self.credential,
                 )
