@@ -20,7 +20,10 @@ AFTER = 4  # steps the late one takes after it caught up, before everyone is sto
 
 
 @pytest.mark.timeout(300)
-async def test_late_volunteer_catches_up_while_training_and_then_matches_the_others(tmp_path):
+@pytest.mark.parametrize("delay", [0, 1])
+async def test_late_volunteer_catches_up_while_training_and_then_matches_the_others(tmp_path, delay):
+    """With delay 1 too: the first two compute each step ahead while the newcomer catches up, and still
+    leave it its share of the steps once it has."""
     model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
     # Donors upload slowly, so the download takes a few seconds during which the newcomer trains.
     state = StateConfig(range_bytes=64 * KiB, upload_rate=256 * KiB)
@@ -40,7 +43,7 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
             record=recs[i],
         )
 
-    async with published_run(tmp_path, model=model, target_batch_size=64) as run:
+    async with published_run(tmp_path, model=model, target_batch_size=64, averaging={"delay": delay}) as run:
         early = [make(0), make(1)]
         tasks = [asyncio.create_task(v.run()) for v in early]
         await until(lambda: min(v.step for v in early) >= LATE_AT, 120, f"step {LATE_AT} of the first two")
@@ -72,6 +75,7 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
             np.testing.assert_array_equal(params, recs[0].params[step], err_msg=f"step {step}")
             compared += 1
     assert compared >= 2
-    # Its gradients count from the step after the switch, not before.
+    # Its gradients count from the step after the switch, not before, and it has its share of those steps.
     assert min(recs[2].batches) >= caught
+    assert len(recs[2].batches) >= AFTER - 1, sorted(recs[2].batches)
     assert summaries[2].steps_done >= AFTER and summaries[2].steps_missed == 0
