@@ -7,6 +7,7 @@ with its own libtorrent session, peer server and key, all on loopback, with the 
 
     .venv/bin/python bench/scale.py                     # 8, 16 and 32 volunteers, groups of 4
     .venv/bin/python bench/scale.py --volunteers 8 --group-size 2 --steps 10 --markdown
+    .venv/bin/python bench/scale.py --volunteers 8,16 --delays 0,1   # delayed updates too
 
 Definitions (issue 13): participation = steps a volunteer applied ÷ steps of the run while it was in it;
 global batch = the samples the tracker credited to a step; parameter disagreement = the largest absolute
@@ -54,7 +55,9 @@ async def start_tracker() -> tuple[asyncio.subprocess.Process, str, str]:
     return proc, url, token
 
 
-async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, workdir: Path) -> dict:
+async def one_run(
+    n: int, group_size: int, steps: int, micro_per_step: int, delay: int, workdir: Path
+) -> dict:
     import numpy as np
 
     from crowdtrain.datasets.make import make_dataset
@@ -69,7 +72,7 @@ async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, work
     target = micro * micro_per_step * n
     proc, url, token = await start_tracker()
     try:
-        data = workdir / f"data-{n}"
+        data = workdir / f"data-{n}-{delay}"
         manifest = await asyncio.to_thread(
             make_dataset, "builtin:stdlib", data, chunk_bytes=64 * KiB, name="scale",
             announce_url=url + "/announce", max_bytes=512 * KiB,
@@ -79,7 +82,7 @@ async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, work
             target_batch_size=target, micro_batch_size=micro,
             optimizer={"name": "adamw", "lr": 3e-3},
             schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
-            averaging={"group_size": group_size, "codec": "none", "average_state_every": 0},
+            averaging={"group_size": group_size, "codec": "none", "average_state_every": 0, "delay": delay},
         )  # fmt: skip
         async with TrackerClient(url, admin_token=token) as client:
             spec = (await client.create_run(create)).spec
@@ -93,7 +96,7 @@ async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, work
                     VolunteerConfig(
                         run_id=spec.run_id,
                         tracker_url=url,
-                        data_dir=workdir / f"v{n}-{i}",
+                        data_dir=workdir / f"v{n}-{delay}-{i}",
                         host="127.0.0.1",
                         max_steps=steps,
                         seed=i,
@@ -153,6 +156,7 @@ async def one_run(n: int, group_size: int, steps: int, micro_per_step: int, work
     return {
         "volunteers": n,
         "G": group_size,
+        "delay": delay,
         "target": target,
         "steps": len(records),
         "participation min": min(participation),
@@ -180,15 +184,17 @@ async def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--micro-per-step", type=int, default=4, help="micro-batches of 8 per volunteer and step")
+    ap.add_argument("--delays", default="0", help="comma-separated averaging.delay values, one run each")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     rows = []
     with tempfile.TemporaryDirectory(prefix="crowdtrain-scale-") as tmp:
         for n in (int(x) for x in args.volunteers.split(",")):
-            row = await one_run(n, args.group_size, args.steps, args.micro_per_step, Path(tmp))
-            rows.append(row)
-            print("  ".join(f"{k}={fmt(v)}" for k, v in row.items()), flush=True)
+            for delay in (int(x) for x in args.delays.split(",")):
+                row = await one_run(n, args.group_size, args.steps, args.micro_per_step, delay, Path(tmp))
+                rows.append(row)
+                print("  ".join(f"{k}={fmt(v)}" for k, v in row.items()), flush=True)
     if args.markdown:
         keys = list(rows[0])
         print("| " + " | ".join(keys) + " |")
