@@ -5,8 +5,8 @@ The collaborative engine with delay 1 equals a single-process replay of the dela
 corpus, on the very same samples, and reach held-out losses within 5 % of each other at equal steps.
 
 Measured (docs/benchmarks.md): at lr 1e-3 the delayed run is 2.3 % behind at step 60; at the demo's lr 3e-3
-it is 10.7 % behind (one step of staleness with AdamW at a high rate), so this test uses 1e-3, and the docs
-say to lower the rate when turning delay on.
+it is 10.7 % behind (one step of staleness with AdamW at a high rate; a lower rate does not win it back,
+docs/decisions.md), so this test checks the rule at 1e-3 and the docs state the gap at the demo's rate.
 """
 
 from __future__ import annotations
