@@ -416,6 +416,26 @@ async def test_peers_that_began_alone_and_computed_ahead_leave_room_for_those_th
     assert [r.next_allotment for r in replies] == [16 + 8, 16 + 8, 8, 8]
 
 
+async def test_samples_computed_ahead_by_a_peer_that_leaves_are_shared_out_to_the_others(tracker, client):
+    """Delay 1: a peer whose samples computed ahead were counted for step 1 when the round formed, and
+    which then leaves (or expires), takes them with it: step 1 does not close on samples nobody will
+    average, and the others are allotted the whole target between them."""
+    run_id = await new_run(client, target=120, group_size=4, gather_s=5.0, delay=1)
+    a, b, c = await joined(client, run_id, 3)
+    for v in (a, b, c):
+        await v.heartbeat(0, 0, samples_per_s=10.0)
+    for v in (a, b, c):
+        reply = await v.heartbeat(0, 40, samples_per_s=10.0, computing=False)
+    assert reply.step_closed
+    replies = await asyncio.gather(a.ready(0, 40, ahead=30), b.ready(0, 40), c.ready(0, 40))
+    assert [r.next_allotment for r in replies] == [30 + 30, 30, 30]
+    assert (await b.heartbeat(1, 0, samples_per_s=10.0)).samples == 30
+    await a.leave()
+    reply = await b.heartbeat(1, 0, samples_per_s=10.0)
+    assert (reply.samples, reply.allotment, reply.step_closed) == (0, 60, False)
+    assert (await c.heartbeat(1, 0, samples_per_s=10.0)).allotment == 60
+
+
 async def test_a_heartbeat_for_the_step_before_neither_moves_a_peer_back_nor_frees_its_allotment(
     tracker, client
 ):
