@@ -143,7 +143,7 @@ class Cli:
 class Published:
     """Tracker and seeder up, a run created: what the README's publisher walk-through does."""
 
-    def __init__(self, net: Network, tmp: Path, *, seed_with_token: bool = True) -> None:
+    def __init__(self, net: Network, tmp: Path, *, seed_with_token: bool = True, delay: int = 0) -> None:
         tracker_host, seeder_host = net.hosts["tracker"], net.hosts["seeder"]
         self.tracker = Cli(
             tracker_host, tmp / "tracker", "tracker", "serve", "--host", "0.0.0.0", "--port", str(PORT)
@@ -154,7 +154,8 @@ class Published:
         self.token = self.tracker.line_matching(r"admin token: (\S+)").group(1)
         self.home = tmp / "seeder"
         self.home.mkdir()
-        (self.home / "run.toml").write_text(RUN_TOML)
+        # the README's run file; with its "# delay = 1" line taken in (the last table is [averaging])
+        (self.home / "run.toml").write_text(RUN_TOML + (f"delay = {delay}\n" if delay else ""))
         made = Cli(
             seeder_host, self.home, "dataset", "make", "builtin:stdlib", "--out", "data",
             "--tracker", self.url, "--chunk-size", "64KiB", "--max-bytes", "768KiB",
@@ -219,10 +220,10 @@ def steps_taken(v: Cli, end: int) -> tuple[int, int]:
     return len(done), end - start
 
 
-def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) -> None:
+def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], delay: int = 0) -> None:
     # (a) seeds as the README shows (registering with the admin token); (b) seeds without the token, the run
     # having made the tracker serve the data set
-    pub = Published(net, tmp, seed_with_token=not client_mode)
+    pub = Published(net, tmp, seed_with_token=not client_mode, delay=delay)
     names = ["v1", "v2", "v3", "v4"]
     flags = {n: ["--client-mode"] if n in client_mode else [] for n in names}
     vols = {n: pub.join(net.hosts[n], tmp, *flags[n]) for n in names[:3]}
@@ -266,6 +267,11 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) ->
     for donor in (d for loaded in loads for d in loaded["donors_used"]):  # "PEER_ID at HOST:PORT"
         peer_id, _, address = donor.partition(" at ")
         assert peer_id in host_of and address.startswith(host_of[peer_id] + ":"), (donor, host_of)
+    # and from then on it computes its share of the steps (no one keeps it out, computing ahead or not)
+    events = vols["v4"].events
+    loaded_at = max(i for i, e in enumerate(events) if e.get("event") == "StateLoaded")
+    after = [e for e in events[loaded_at:] if e.get("event") == "StepDone" and e["step"] < end]
+    assert after and sum(e["contributed_samples"] > 0 for e in after) >= len(after) / 2, after
     # `crowdtrain status` lists every peer's reachability
     for n in names:
         [line] = [line for line in status.splitlines() if ids[n] in line] or [f"{n} ({ids[n]}) missing"]
@@ -279,6 +285,13 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str]) ->
 def test_four_volunteers_on_four_hosts_train_together_started_as_the_readme_says(tmp_path):
     with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
         run_with_a_late_volunteer(net, tmp_path, client_mode=set())
+
+
+def test_four_volunteers_on_four_hosts_train_together_with_delayed_updates(tmp_path):
+    """The same with ``delay = 1``: volunteers compute the next step ahead while a step is averaged, and
+    the late one catches up and takes its share of the steps."""
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
+        run_with_a_late_volunteer(net, tmp_path, client_mode=set(), delay=1)
 
 
 def test_all_but_one_volunteer_in_client_mode_still_train_together(tmp_path):
