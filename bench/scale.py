@@ -126,6 +126,7 @@ async def one_run(
             async with TrackerClient(url) as c:
                 for r in (await c.status(spec.run_id)).recent_steps:
                     records[r.step] = r
+            requests = await tracker_requests(url)
             params = [await asyncio.to_thread(v.trainer.flat_params) for v in vols]
     finally:
         proc.terminate()
@@ -169,7 +170,30 @@ async def one_run(
         # from the first close to the last: the start-up (joins, first chunks) is not the run's pace
         "steps/min": 60 * (len(closes) - 1) / (closes[-1] - closes[0]) if len(closes) > 1 else float("nan"),
         "tracker CPU ms/step": 1000 * cpu / max(1, len(records)),
+        # requests a volunteer makes per step (start-up included), by kind
+        **{
+            f"{kind}/vol/step": requests.get(kind, 0) / n / max(1, len(records))
+            for kind in ("heartbeat", "ready", "step")
+        },
     }
+
+
+async def tracker_requests(url: str) -> dict[str, float]:
+    """Requests the tracker answered so far, by the last word of their route (heartbeat, ready, step...),
+    from its /metrics page."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "crowdtrain_tracker_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    kind = sample.labels["route"].rstrip("/").rsplit("/", 1)[-1]
+                    counts[kind] = counts.get(kind, 0.0) + sample.value
+    return counts
 
 
 def fmt(v: object) -> str:
