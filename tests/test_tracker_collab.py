@@ -379,8 +379,9 @@ async def test_the_share_a_peer_may_compute_ahead_is_its_rate_share_with_room_fo
     assert reply.ahead_share == 120 * 10 * 3 // (40 * 4)
     assert (await c.heartbeat(0, 20, samples_per_s=20.0)).ahead_share == 120 * 20 * 3 // (40 * 4)
     # a ready call's samples ahead are credited up to the peer's share, above its weight (10) too, no more
-    # (the next allotments: what is left shared by rate on top of what each holds, a's within its share cap)
-    for ahead, credited, allotted in ((40, 40, [60, 40]), (100, 60, [60, 30])):
+    # (the next allotments: a's what it holds and its share of what is left, within its share cap; b, done
+    # too and as fast as its rate says, may have computed its share of 60 ahead since its ready call)
+    for ahead, credited, allotted in ((40, 40, [60, 60]), (100, 60, [60, 60])):
         run_id = await new_run(client, target=120, group_size=2, gather_s=5.0, delay=1)
         a, b = await joined(client, run_id, 2)
         await b.heartbeat(0, 0)
@@ -407,13 +408,38 @@ async def test_peers_that_began_alone_and_computed_ahead_leave_room_for_those_th
     assert (await b.heartbeat(0, 32, samples_per_s=10.0, computing=False)).step_closed
     for v in (c, d):  # a chunk each now
         await v.heartbeat(0, 0, samples_per_s=0.0)
-    assert (await a.heartbeat(0, 32, samples_per_s=10.0, computing=False)).ahead_share == 16
+    for v in (a, b):  # (each hears it at its next heartbeat)
+        assert (await v.heartbeat(0, 32, samples_per_s=10.0, computing=False)).ahead_share == 16
     replies = await asyncio.gather(
         a.ready(0, 32, ahead=16), b.ready(0, 32, ahead=16), c.ready(0, 0), d.ready(0, 0)
     )
     assert [r.status for r in replies] == ["group"] * 4
     # what is left (32) shared by rate, an unknown rate at the mean: a quarter each on top of what each holds
     assert [r.next_allotment for r in replies] == [16 + 8, 16 + 8, 8, 8]
+
+
+async def test_a_peer_computing_ahead_is_allotted_what_it_may_have_computed_since_its_ready_call(
+    tracker, client
+):
+    """Delay 1: a peer done with its step computes ahead, up to the share it was told, until it hears that
+    the round formed: more than its ready call said. Each is allotted what it may have computed since (at
+    its rate, within that share), before what is left is shared out; else a peer allotted less than it
+    computed by then claims more than its allotment and the step overshoots its target (112 of 96 here,
+    once: 48 to the one that said 24, and 24 each to the two that said 0 but had computed their 32)."""
+    run_id = await new_run(client, target=96, group_size=4, gather_s=5.0, delay=1)
+    peers = await joined(client, run_id, 3)
+    for v in peers:
+        await v.heartbeat(0, 0)
+    for v in peers:
+        reply = await v.heartbeat(0, 32, computing=False)
+        assert reply.ahead_share == 32
+    assert reply.step_closed
+    a, b, c = peers
+    replies = await asyncio.gather(a.ready(0, 32), b.ready(0, 32), c.ready(0, 32, ahead=24))
+    assert [r.next_allotment for r in replies] == [32, 32, 32]
+    for v in peers:
+        reply = await v.heartbeat(1, 32, computing=False)
+    assert (reply.samples, reply.step_closed) == (96, True)
 
 
 async def test_samples_computed_ahead_by_a_peer_that_leaves_are_shared_out_to_the_others(tracker, client):

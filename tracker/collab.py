@@ -98,6 +98,7 @@ class Peer:
     chunks_held: int = 0
     loss: float | None = None
     compute_share: float | None = None  # as its last heartbeat said
+    ahead_share: int | None = None  # delay 1: what its last heartbeat reply told it it may compute ahead
     capped: bool = False  # the tracker credited it less than it claimed once (logged once)
     last_seen: float = 0.0  # monotonic
     counted_at: float = 0.0  # monotonic time its samples were last credited (see RunState._credit)
@@ -144,7 +145,8 @@ class RunState:
         self.computing = 0  # peers at this step still computing for it (a peer done with it says so)
         self.present = 0  # peers at this step computing for it or holding samples of it
         self.ready: dict[str, int] = {}
-        self.ahead: dict[str, int] = {}  # ready peers' samples already computed for the next step (delay 1)
+        # ready peers' samples already computed for the next step (delay 1), and when they said so
+        self.ahead: dict[str, tuple[int, float]] = {}
         self.pending: set[str] = set()
         self.formed: OrderedDict[int, dict[str, list[GroupAssignment]]] = OrderedDict()  # phase by phase
         self.changed = asyncio.Event()
@@ -215,9 +217,7 @@ class RunState:
             held, base, since = peer.samples, peer.step_base, peer.step_since
         else:  # a step new to it: begun at the latest when it last reported
             held, base, since = 0, 0, peer.counted_at
-        elapsed = max(0.0, now - since)
-        growth = SAMPLES_SLACK * peer.samples_per_s * elapsed + 2 * self.spec.micro_batch_size
-        plausible = max(held, base + math.ceil(min(growth, float(self.target))))
+        plausible = max(held, base + self._growth(peer, now - since))
         cap = self.share_cap(others=step == self.global_step and self.present > 0)
         # what the tracker allotted it for this step stands (e.g. all of it while it was alone), so a
         # peer that kept to its allotment is never cut back when others arrive
@@ -238,6 +238,12 @@ class RunState:
         peer.step, peer.samples, peer.step_base, peer.step_since = step, credited, base, since
         peer.counted_at = now
 
+    def _growth(self, peer: Peer, seconds: float) -> int:
+        """The most samples ``peer`` is taken to compute in ``seconds``: SAMPLES_SLACK × its rate × the
+        seconds, plus two micro-batches (one in flight, one begun), at most the target."""
+        growth = SAMPLES_SLACK * peer.samples_per_s * max(0.0, seconds) + 2 * self.spec.micro_batch_size
+        return math.ceil(min(growth, float(self.target)))
+
     def _credit_ready(self, peer_id: str, step: int, weight: int, ahead: int) -> tuple[int, int]:
         """The weight and computed-ahead samples credited to a ready call: the weight as a heartbeat's
         samples would be (it counts for the step's samples too), the samples ahead no more than the weight
@@ -251,7 +257,7 @@ class RunState:
             self._credit(peer, step, weight, now)
             weight = peer.samples
             self._account(peer)
-        bound = max(weight, self.ahead_share(peer) or 0, 2 * self.spec.micro_batch_size)
+        bound = max(weight, peer.ahead_share or 0, 2 * self.spec.micro_batch_size)
         return weight, min(ahead, bound, self.share_cap(others=True))
 
     def _allot(self, peer: Peer) -> int:
@@ -354,6 +360,7 @@ class RunState:
         else:
             peer.allotted = self._allot(peer)
         self._account(peer)
+        peer.ahead_share = self.ahead_share(peer) if self.spec.averaging.delay else None
         if self.closed_at is not None and peer.step == self.global_step and peer.peer_id not in self.ready:
             self.pending.add(peer.peer_id)
         self.maybe_close(time.time())
@@ -526,21 +533,47 @@ class RunState:
         # without waiting for a heartbeat's answer.
         ahead, self.ahead = self.ahead, {}
         moved = [self.peers[c.peer_id] for c in candidates]
+        # those done with the step compute ahead (delay 1), up to their share of a step, until they hear of
+        # this round: more than their ready call said, so their allotment holds that share (see below)
+        done = {p.peer_id for p in moved if not p.computing and p.samples > 0}
+        moved.sort(key=lambda p: p.peer_id not in done)
         began = time.monotonic()
         for peer in moved:
             self._unaccount(peer)
             peer.step, peer.samples, peer.computing, peer.allotted = (
                 step + 1,
-                min(ahead.get(peer.peer_id, 0), self.target),
+                min(ahead.get(peer.peer_id, (0, began))[0], self.target),
                 True,
                 0,  # its allotment of the step before must not hold samples of this one
             )
             peer.step_base, peer.step_since = peer.samples, began
             self._account(peer)
-        # allotted once all are at the new step: each one's share (and cap) counts the others
+        # Allotted once all are at the new step, so each one's share (and cap) counts the others. First, a
+        # peer that computes ahead is allotted what it may have computed since its ready call (as a
+        # heartbeat's samples may grow, within the share it was told it may compute ahead), so samples it
+        # holds are never left out of the target; then every peer gets its share by rate of what is left
+        # on top of what it holds.
+        for peer in moved:
+            if peer.peer_id in done and peer.ahead_share is not None:
+                said_at = ahead.get(peer.peer_id, (0, began))[1]
+                may_hold = peer.samples + self._growth(peer, began - said_at)
+                self._unaccount(peer)
+                free = max(0, self.target - self.reserved - peer.samples)
+                peer.allotted = max(peer.samples, min(peer.ahead_share, may_hold, peer.samples + free))
+                self._account(peer)
         for peer in moved:
             self._unaccount(peer)
             peer.allotted = self._allot(peer)
+            self._account(peer)
+        # what no share took (rounding, or the share cap of a peer whose rate share is above it) goes to
+        # the first peers below their cap: a peer done with its allotment asks for no more (delay 1)
+        for peer in moved:
+            free = self.target - self.reserved
+            if free <= 0:
+                break
+            self._unaccount(peer)
+            held = max(peer.allotted, peer.samples)
+            peer.allotted = max(held, min(held + free, self.share_cap(others=self.present > 0)))
             self._account(peer)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in groups])
@@ -607,7 +640,7 @@ class RunState:
             if step == self.global_step:
                 weight, ahead = self._credit_ready(peer_id, step, weight, ahead)
                 self.ready[peer_id] = weight
-                self.ahead[peer_id] = ahead
+                self.ahead[peer_id] = (ahead, time.monotonic())
                 self.pending.discard(peer_id)
                 self.maybe_form(time.time())
                 if step < self.global_step:

@@ -664,7 +664,7 @@ class Tracker:
                 bt_reachable=peer.bt_reachable,
                 notice=run.notice,
                 allotment=peer.allotted if peer.step == run.global_step and run.closed_at is None else None,
-                ahead_share=run.ahead_share(peer) if run.spec.averaging.delay else None,
+                ahead_share=peer.ahead_share,
             )
         )
 
