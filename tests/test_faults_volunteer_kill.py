@@ -26,6 +26,21 @@ STEPS_AFTER_KILL = 5
 MODEL = {"recipe": "tiny-gpt", "args": {"d_model": 768, "n_layer": 2, "n_head": 4, "seq_len": 32}}
 
 
+def survivors_stepped_together_and_learned(survivors, recs, run, kill_step: int) -> tuple[float, float]:
+    """They went on, stepping together: equal and finite parameters after every step they both took, well
+    past the kill; and they still learn: the loss on a fixed batch is lower after the last step than after
+    the first. Returns those two losses."""
+    common = sorted(set(recs[0].params) & set(recs[1].params))
+    assert [s for s in common if s > kill_step + STEPS_AFTER_KILL]
+    for step in common:
+        a, b = recs[0].params[step], recs[1].params[step]
+        assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
+        np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
+    first, last = losses_on_a_fixed_batch(survivors[0], recs[0].params, run.manifest, [common[0], common[-1]])
+    assert last < first
+    return first, last
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(tmp_path):
@@ -82,16 +97,7 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
         assert killed_round.duration_s <= ROUND_TIMEOUT_S + 2.0 + 5.0
         later = [e for e in events if isinstance(e, ev.RoundDone) and e.kind == "grad" and e.step > kill_step]
         assert later and all(victim_id not in e.members for e in later)
-    # They went on, stepping together: equal and finite parameters after every step they both took.
-    common = sorted(set(recs[0].params) & set(recs[1].params))
-    assert [s for s in common if s > kill_step + STEPS_AFTER_KILL]
-    for step in common:
-        a, b = recs[0].params[step], recs[1].params[step]
-        assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
-        np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
-    # And they still learn: the loss on a fixed batch is lower after the last step than after the first.
-    first, last = losses_on_a_fixed_batch(survivors[0], recs[0].params, run.manifest, [common[0], common[-1]])
-    assert last < first
+    first, last = survivors_stepped_together_and_learned(survivors, recs, run, kill_step)
     recovered = min(
         e.t for events in seen for e in events if isinstance(e, ev.StepDone) and e.step == kill_step
     )
@@ -166,11 +172,4 @@ async def test_with_delayed_updates_a_volunteer_sigkilled_mid_step_the_others_tr
     after = [r for r in history if r.step > kill_step + 2]
     assert after and all(r.peers == 2 and target <= r.samples for r in after), steps
     assert all(s.steps_missed == 0 for s in summaries), summaries
-    common = sorted(set(recs[0].params) & set(recs[1].params))
-    assert [s for s in common if s > kill_step + STEPS_AFTER_KILL]
-    for step in common:
-        a, b = recs[0].params[step], recs[1].params[step]
-        assert np.isfinite(a).all(), f"non-finite parameters after step {step}"
-        np.testing.assert_array_equal(a, b, err_msg=f"survivors differ after step {step}")
-    first, last = losses_on_a_fixed_batch(survivors[0], recs[0].params, run.manifest, [common[0], common[-1]])
-    assert last < first
+    survivors_stepped_together_and_learned(survivors, recs, run, kill_step)
