@@ -285,10 +285,9 @@ class Volunteer:
         self._round_task: asyncio.Future[_Round] | None = None  # delay 1: the step averaged in the background
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         # delay 1: this step's gradient, taken once its share was computed; meanwhile the next step's
-        # micro-batches are computed ahead, up to ``_ahead_cap`` samples: its share of a step by rate, as the
-        # tracker last said (``_ahead_share``), or half its allotment from a tracker that does not say
+        # micro-batches are computed ahead, up to ``_next_cap``: its share of a step by rate, as the tracker
+        # last said (``_ahead_share``, it moves with the rates), or half its allotment if it does not say
         self._early: _Taken | None = None
-        self._ahead_cap = 0
         self._ahead_share: int | None = None
         # its ready call, made as soon as a heartbeat says the step closed: (step, task)
         self._ready_task: tuple[int, asyncio.Task[ReadyReply | None]] | None = None
@@ -605,8 +604,6 @@ class Volunteer:
         )
         self._set_quota(reply, step)
         self._ahead_share = reply.ahead_share
-        if self._early is not None and reply.ahead_share is not None:
-            self._ahead_cap = reply.ahead_share  # the shares move with the rates
         self._reply = reply
         self._reply_changed.set()
         early = self._early
@@ -649,7 +646,7 @@ class Volunteer:
         if self._pending_state is not None:
             return None
         if self._early is not None:
-            return self._ahead_cap
+            return self._next_cap(self._early.weight)
         if self._quota is not None and self._quota[0] == self.step:
             return self._quota[1]
         # a new step: wait (a round trip) for the allotment, unless the tracker is silent
@@ -755,7 +752,6 @@ class Volunteer:
                 if self._may_take_early(quota):
                     # delay 1: its share is computed; take it, apply the previous step's average and compute
                     # the next step's micro-batches on those parameters while the others finish this step
-                    self._ahead_cap = self._next_cap(quota)
                     self._early = await self._hand_over(catching_up=False)
                     if self._pending_state is not None:  # the previous round failed: catching up now
                         self._early = None
