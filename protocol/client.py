@@ -18,6 +18,7 @@ import aiohttp
 import msgspec
 
 from crowdtrain.protocol import bencode
+from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
 from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
@@ -114,17 +115,12 @@ class TrackerClient:
                 async with self._session.request(
                     method, self.url + path, data=data, headers=all_headers, allow_redirects=False
                 ) as resp:
-                    if resp.content_length is not None and resp.content_length > limit:
-                        raise TrackerError(
-                            f"the tracker at {self.url} sent {resp.content_length} bytes for {path},"
-                            f" more than the limit of {limit}",
-                            resp.status,
-                        )
-                    data = await resp.content.read(limit + 1)
-                    if len(data) > limit:
+                    try:
+                        data = await read_body(resp.content, limit, resp.content_length)
+                    except BodyTooLong as too_long:
                         raise TrackerError(
                             f"the tracker at {self.url} sent more than {limit} bytes for {path}", resp.status
-                        )
+                        ) from too_long
                     status = resp.status
         except TimeoutError:
             raise TrackerUnreachable(

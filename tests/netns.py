@@ -104,6 +104,16 @@ class Host:
         self._procs.append(proc)
         return proc
 
+    def shape(self, rate: str, *, burst: str = "32kbit", latency: str = "400ms", dev: str = "eth0") -> None:
+        """Limit what this host sends on ``dev`` to ``rate`` (e.g. ``"2mbit"``) with a ``tbf`` qdisc: a home
+        uplink. The kernel here has ``tbf`` and ``htb``, not ``netem``: rate, but no added delay."""
+        tc = shutil.which("tc") or "/usr/sbin/tc"
+        cmd = [tc, "-n", self.ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+               "latency", latency]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S)
+        if done.returncode != 0:
+            raise NetnsError(f"`{' '.join(cmd)}` failed (exit {done.returncode}): {done.stderr.strip()}")
+
     def run(
         self,
         args: Sequence[str],

@@ -22,6 +22,7 @@ import time
 
 from aiohttp import ClientSession, ClientTimeout
 
+from crowdtrain.protocol.aio import read_body
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.tracker.collab import Peer, RunState
 
@@ -145,7 +146,7 @@ class Checker:
                 async with asyncio.timeout(self.timeout_s):
                     async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
                         if resp.status == 200:
-                            body = await resp.content.read(4096)
+                            body = await read_body(resp.content, 4096, resp.content_length)
                             reply = json.loads(body)
                             ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
             except Exception as exc:  # any failure (refused, timeout, bad JSON) means unreachable

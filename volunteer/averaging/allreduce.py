@@ -59,7 +59,7 @@ import numpy as np
 from aiohttp import web
 
 from crowdtrain.protocol import peerauth
-from crowdtrain.protocol.aio import wait_at_most
+from crowdtrain.protocol.aio import BodyTooLong, read_body, wait_at_most
 from crowdtrain.protocol.codecs import Residual
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError, LimitExceeded, ProtocolError
@@ -661,7 +661,11 @@ class Averager:
         try:
             async with self._session_for().post(url, data=data, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
-                    text = (await resp.content.read(cfg.max_error_bytes)).decode("utf-8", "replace")
+                    try:
+                        raw = await read_body(resp.content, cfg.max_error_bytes, resp.content_length)
+                        text = raw.decode("utf-8", "replace")
+                    except BodyTooLong:
+                        text = f"an answer of more than {cfg.max_error_bytes} bytes"
                     raise _Refused(resp.status, text)
                 t = time.perf_counter()
                 _, nbytes = await read_part(

@@ -35,7 +35,7 @@ from typing import BinaryIO
 import aiohttp
 import zstandard
 
-from crowdtrain.protocol.aio import wait_at_most
+from crowdtrain.protocol.aio import BodyTooLong, read_body, wait_at_most
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError, StateSyncError
 from crowdtrain.protocol.limits import Limits
@@ -607,25 +607,18 @@ class _DonorOut(Exception):
 
 
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    declared = resp.content_length
-    if declared is not None and declared > limit:
-        raise LimitExceeded(f"response declares {declared} bytes, more than the {limit} expected")
-    parts = []
-    size = 0
-    async for chunk in resp.content.iter_chunked(256 * KiB):
-        size += len(chunk)
-        if size > limit:
-            raise LimitExceeded(f"response is longer than the {limit} bytes expected")
-        parts.append(chunk)
-    return b"".join(parts)
+    try:
+        return await read_body(resp.content, limit, resp.content_length)
+    except BodyTooLong as exc:
+        raise LimitExceeded(f"response is {exc.size} bytes or more, more than the {limit} expected") from None
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
     try:
-        raw = await resp.content.read(_MAX_ERROR_BYTES)
+        raw = await read_body(resp.content, _MAX_ERROR_BYTES, resp.content_length)
         body = decode(raw, ErrorBody)
         return body.error[:300]
-    except (ProtocolError, aiohttp.ClientError, TimeoutError):
+    except (BodyTooLong, ProtocolError, aiohttp.ClientError, TimeoutError):
         return resp.reason or "no reason given"
 
 
