@@ -79,7 +79,17 @@ def test_run_create_across_a_home_link_gets_every_answer_whole(tmp_path):
         tracker_host.shape("4mbit")  # the tracker's answers leave through a home-like uplink
         (tmp_path / "tracker").mkdir()
         tracker = tracker_host.popen(
-            [sys.executable, "-m", "crowdtrain", "tracker", "serve", "--host", "0.0.0.0", "--port", str(PORT)],
+            [
+                sys.executable,
+                "-m",
+                "crowdtrain",
+                "tracker",
+                "serve",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(PORT),
+            ],
             env=env_for(tmp_path / "tracker"),
             cwd=tmp_path / "tracker",
             stdout=subprocess.PIPE,
@@ -104,7 +114,10 @@ def test_run_create_across_a_home_link_gets_every_answer_whole(tmp_path):
         )  # fmt: skip
         assert made.returncode == 0, made.stdout + made.stderr
         done = pub_host.run(
-            [sys.executable, "-c", PUBLISHER, url, token, str(CREATES)], env=env_for(home), cwd=home, timeout=240
+            [sys.executable, "-c", PUBLISHER, url, token, str(CREATES)],
+            env=env_for(home),
+            cwd=home,
+            timeout=240,
         )
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout.strip().splitlines()[-1])
