@@ -25,6 +25,9 @@ The rules volunteers rely on:
   nothing is formed: the step opens again, its ready callers get ``open`` and go on accumulating, and the
   global step does not advance.
 * Peers silent for ``peer_ttl_s`` expire.
+* A peer vouches for (declares) the state of step N only if it took part in step N - 1, or if the state's
+  content hash was declared by one that did: a volunteer that left and joins again serves the state it kept.
+  The run's status says when the run has stepped but no online peer serves its state (:meth:`RunState.state_notice`).
 
 Aggregates (samples toward the step, contributors, run-wide rate) are kept incrementally so a heartbeat
 costs O(1) whatever the number of peers.
@@ -149,6 +152,9 @@ class RunState:
         self.ahead: dict[str, tuple[int, float]] = {}
         self.pending: set[str] = set()
         self.formed: OrderedDict[int, dict[str, list[GroupAssignment]]] = OrderedDict()  # phase by phase
+        # content hashes of states declared by peers that took part in the step before, by step (the newest
+        # KEEP_FORMED_STEPS): a peer that rejoins with the state it kept vouches for it by its hash
+        self.vouched: OrderedDict[int, set[str]] = OrderedDict()
         self.changed = asyncio.Event()
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
@@ -693,7 +699,12 @@ class RunState:
         for v in versions:
             if v.step > self.global_step:
                 refusal = f"state step {v.step} is beyond the run's step {self.global_step}"
-            elif v.step > 0 and v.step - 1 in self.formed and peer.peer_id not in self.formed[v.step - 1]:
+            elif (
+                v.step > 0
+                and v.step - 1 in self.formed
+                and peer.peer_id not in self.formed[v.step - 1]
+                and v.content_hash not in self.vouched.get(v.step, ())
+            ):
                 refusal = (
                     f"peer {peer.peer_id} took no part in step {v.step - 1}, so it cannot vouch for the "
                     f"state of step {v.step}"
@@ -708,6 +719,25 @@ class RunState:
                 refusal += f"; {peer.refused_states} declarations refused, no longer a donor of this run"
             raise StateRefused(refusal)
         peer.states = tuple(versions)
+        for v in versions:
+            if v.step - 1 not in self.formed or peer.peer_id in self.formed[v.step - 1]:
+                self.vouched.setdefault(v.step, set()).add(v.content_hash)
+        for step in sorted(self.vouched)[:-KEEP_FORMED_STEPS]:
+            del self.vouched[step]
+
+    def state_notice(self) -> str | None:
+        """A sentence when the run has stepped but no online peer serves its state, nor took part in its
+        last step: volunteers that join wait for one that kept the state, or a publisher's checkpoint."""
+        if self.global_step == 0 or any(p.states for p in self.peers.values()):
+            return None
+        last = self.formed.get(self.global_step - 1, {})
+        if any(p.peer_id in last for p in self.peers.values()):
+            return None
+        return (
+            f"no volunteer online serves the run's state of step {self.global_step}: volunteers that join wait, "
+            "computing nothing, until one that kept it (in its data folder) joins again or the publisher "
+            f"restores a checkpoint (crowdtrain join {self.run_id} --init-from FILE)"
+        )
 
     def donors(self, limit: int = 64) -> DonorList:
         """Donors of the run's state, by consensus rather than by claim. Of the reachable peers serving

@@ -571,7 +571,7 @@ class Tracker:
                 samples_per_s=run.rate_sum,
                 peers=run.peer_statuses(),
                 recent_steps=self.store.history(run.run_id),
-                notice=run.closed or run.notice,
+                notice=run.closed or run.notice or run.state_notice(),
                 closed_at=run.closed_at_time,
                 swarm_seeds=swarm.seeders if swarm else 0,
                 swarm_peers=len(swarm.peers) if swarm else 0,

@@ -76,7 +76,12 @@ from crowdtrain.volunteer.models import check_param_hash, get_recipe
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
-from crowdtrain.volunteer.state.snapshot import load_snapshot, read_snapshot_header, save_snapshot
+from crowdtrain.volunteer.state.snapshot import (
+    SnapshotHeader,
+    load_snapshot,
+    read_snapshot_header,
+    save_snapshot,
+)
 from crowdtrain.volunteer.trainer import Trainer, all_finite, resolve_device
 
 log = logging.getLogger(__name__)
@@ -98,6 +103,7 @@ RATE_WINDOW = 16
 SNAPSHOT_SPACING = 4.0
 # A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
 STATE_POLL_S = 5.0
+WAIT_STATE_S = 2.0  # no peer serves the run's state: ask again this often
 
 
 class _Replay:
@@ -304,6 +310,11 @@ class Volunteer:
         self._last_applied_at: float | None = None
         self._step_s = 0.0  # smoothed time between two applied steps
         self._state_dir = config.data_dir / "crowdtrain-state"  # snapshots, a fetched state, the replay
+        # the state this peer held when it last left the run: outlives the run's volunteers (see _keep_state)
+        self._kept = config.data_dir / "crowdtrain-kept" / f"{config.run_id}.safetensors"
+        self._init_step: int | None = None  # the step of the --init-from checkpoint loaded, if any
+        self._waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
+        self._stepping = False  # an optimizer step is being applied (a thread changes the tensors)
         self.state_server: StateServer | None = None
         # set while joining (run): the tracker's client, the BitTorrent session and its download, the
         # averager, this peer's credential and the run's heartbeat interval
@@ -359,7 +370,7 @@ class Volunteer:
             model = await asyncio.to_thread(recipe.build, dict(spec.model.args))
             check_param_hash(model, spec.model.param_hash)
             if cfg.init_from is not None:
-                await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
+                self._init_step = await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
             device = str(resolve_device(cfg.device))  # "cpu", "cuda", "cuda:1"
             self.trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
             torrent = await tracker.get_torrent(cfg.run_id)
@@ -480,6 +491,7 @@ class Volunteer:
                     if task is not None and not task.done():
                         task.cancel()
                 await self._snapshot_written()  # a thread: let it finish its file
+                await self._keep_state()
                 # In order: stop accepting peers, tell the tracker, then close what talks to the network.
                 await server.stop()
                 with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
@@ -595,7 +607,8 @@ class Volunteer:
                 samples_per_s=self._samples_per_s,
                 address=self._declared,
                 chunks_held=self._chunks_held,
-                loss=self._loss_ema,
+                # (computed while catching up, on parameters that are not the run's: not the run's loss)
+                loss=self._loss_ema if self._pending_state is None else None,
                 bt_port=self._bt_port(),
                 compute_share=self._compute_share(),
             ),
@@ -738,6 +751,13 @@ class Volunteer:
                 break
             if self._pending_state is not None and self._pending_state.done() and self._round_settled():
                 await self._switch_to_fetched_state()
+            if self._waiting is not None and self._pending_state is not None:
+                # no peer serves the run's state: nothing computed here would count (or be the run's)
+                if phase != "waiting-for-state":
+                    phase = "waiting-for-state"
+                    self._phase(phase)
+                await wait_at_most(self._stop, 0.5)
+                continue
             if self._pending_state:
                 want = "catching-up"
             elif not self.sampler.ready:
@@ -1002,13 +1022,17 @@ class Volunteer:
             return
         self._phase("stepping")
         await self._snapshot_written()  # the write reads the tensors this step changes
+        self._stepping = True
         if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
             await asyncio.to_thread(self.trainer.set_flat_params, rnd.params)
         lr = await asyncio.to_thread(self.trainer.apply, rnd.mean, rnd.step)
+        self._stepping = False
         if not self.delay and rnd.average_params:
             params = await self._average_params(rnd.phases)
             if params is not None:
+                self._stepping = True
                 await asyncio.to_thread(self.trainer.set_flat_params, params)
+                self._stepping = False
         self._applied = rnd.step + 1
         self.summary.steps_done += 1
         if rnd.weight > 0:
@@ -1147,14 +1171,18 @@ class Volunteer:
             return
         if self._snapshot_task is not None and not self._snapshot_task.done():
             return
-        self._snapshot_task = asyncio.get_running_loop().create_task(self._snapshot(self._applied))
+        self._snapshot_task = asyncio.get_running_loop().create_task(
+            self._snapshot(self._applied, self.trainer.live_state())
+        )
 
     async def _snapshot_written(self) -> None:
         """Wait until a snapshot write in progress has read the tensors (before they change)."""
         if self._snapshot_writing is not None:
             await asyncio.wait({self._snapshot_writing})
 
-    async def _snapshot(self, step: int) -> None:
+    async def _snapshot(self, step: int, model_state: dict) -> None:
+        """Write, serve and declare the snapshot of ``step``; ``model_state`` is :meth:`Trainer.live_state`,
+        taken right after the step was applied (live parameters: no copy; the buffers copied)."""
         spec = self.spec
         started = time.monotonic()
         write = asyncio.ensure_future(
@@ -1165,7 +1193,7 @@ class Volunteer:
                 step=step,
                 recipe=spec.model.recipe,
                 args=dict(spec.model.args),
-                model_state=self.trainer.model.state_dict(),  # live tensors: no copy
+                model_state=model_state,
                 optimizer_state=self.trainer.optimizer.state_dict(),
                 scheduler_state=None,
                 range_bytes=self.config.state.range_bytes,
@@ -1197,12 +1225,14 @@ class Volunteer:
         except TrackerError as exc:
             self._note(logging.WARNING, "could not declare state version %d to the tracker (%s)", step, exc)
 
-    def _start_catch_up(self) -> None:
+    def _start_catch_up(self, after_s: float = 0.0) -> None:
         if self._pending_state is None or self._pending_state.done():
-            self._phase("catching-up")
+            self._phase("waiting-for-state" if self._waiting is not None else "catching-up")
             # averages are kept for the replay from the round of this step on (or from the earliest kept)
             replay_from = self.step if self._replay.first is None else self._replay.first
-            self._pending_state = asyncio.get_running_loop().create_task(self._fetch_state(replay_from))
+            self._pending_state = asyncio.get_running_loop().create_task(
+                self._fetch_state(replay_from, after_s)
+            )
 
     async def _newest_donors(self, replay_from: int) -> DonorList:
         """The tracker's donor list, once it lists a state this peer can replay from (of step ≥
@@ -1224,7 +1254,9 @@ class Volunteer:
                 said = True
             await asyncio.sleep(min(STATE_POLL_S, max(0.2, self._step_s / 2)) if self._step_s else 1.0)
 
-    async def _fetch_state(self, replay_from: int):
+    async def _fetch_state(self, replay_from: int, after_s: float = 0.0):
+        if after_s:
+            await asyncio.sleep(after_s)
         donors = await self._newest_donors(replay_from)
         if donors.state is None and donors.serving:
             raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
@@ -1255,6 +1287,142 @@ class Volunteer:
         # held beside the model meanwhile)
         return path
 
+    async def _no_donor(self) -> None:
+        """No peer serves the run's state. A peer that took steps of this run keeps its parameters. Otherwise
+        the state is this peer's own kept state of the run's step (:meth:`_keep_state`), else the publisher's
+        checkpoint (``--init-from``, the step gap told), else the initial parameters while the run has taken
+        no step. Failing all, the peer waits, computing nothing, and says why: a run that has taken steps never
+        restarts from the initial parameters."""
+        target = max(0, self.step - self.delay)
+        kept = self._kept_header()  # (its JSON header only: small)
+        if self.summary.steps_done:
+            self._applied = target
+            self._note(logging.WARNING, "no peer serves the run's state; keeping this volunteer's parameters")
+        elif kept is not None and target <= kept.step <= self.step:
+            await self._load_kept(kept.step)
+        elif self._init_step is not None:
+            self._applied = target
+            gap = target - self._init_step
+            self._note(
+                logging.WARNING if gap else logging.INFO,
+                "no peer serves the run's state; resuming from the checkpoint %s of step %d%s",
+                self.config.init_from,
+                self._init_step,
+                f": the run is at step {target}, so the {gap} steps since are lost (and the optimizer's moments "
+                "start afresh)"
+                if gap > 0
+                else f", beyond the run's step {target}: its weights are taken as the run's state"
+                if gap < 0
+                else "",
+            )
+            self._serve_now()
+        elif target == 0:
+            self._applied = 0
+            self._note(logging.INFO, "the run has taken no step yet; training from the initial parameters")
+        else:
+            if self._waiting is None:
+                behind = (
+                    f"; this volunteer's own kept state is of step {kept.step}, {target - kept.step} steps behind"
+                    if kept is not None and kept.step < target
+                    else ""
+                )
+                self._waiting = (
+                    f"run {self.config.run_id} is at step {target} but no peer serves its state{behind}: waiting, "
+                    "computing nothing, until a volunteer that kept it returns or the publisher restores a "
+                    f"checkpoint (crowdtrain join {self.config.run_id} --init-from FILE)"
+                )
+                self._note(logging.WARNING, "%s", self._waiting)
+            self._start_catch_up(after_s=WAIT_STATE_S)
+            return
+        self._waiting = None
+        await self._record_params()
+
+    def _kept_header(self) -> SnapshotHeader | None:
+        """The header of the state this peer kept when it last left this run, if it is one of this run's
+        recipe and arguments (else it is set aside: not this run's state)."""
+        if not self._kept.is_file():
+            return None
+        spec = self.spec
+        try:
+            header = read_snapshot_header(self._kept)
+        except (ProtocolError, OSError, ValueError) as exc:
+            self._note(
+                logging.WARNING, "the kept state %s cannot be read (%s); not using it", self._kept, exc
+            )
+            return None
+        if header.run_id != spec.run_id or (header.recipe, header.args) != (
+            spec.model.recipe,
+            dict(spec.model.args),
+        ):
+            self._note(
+                logging.WARNING, "the kept state %s is not of this run's model; not using it", self._kept
+            )
+            return None
+        return header
+
+    async def _load_kept(self, step: int) -> None:
+        """Resume from this peer's own kept state (of the run's step): load it and serve it to others."""
+        await self._snapshot_written()
+        loaded = await asyncio.to_thread(load_snapshot, self._kept, into=self.trainer.model.state_dict())
+        await asyncio.to_thread(
+            self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
+        )
+        self._drop_accumulation()
+        self._applied = step
+        self.summary.caught_up_to = self.step
+        self._note(
+            logging.INFO,
+            "no peer serves the run's state; resumed from this volunteer's own state of step %d (kept in %s)",
+            step,
+            self._kept,
+        )
+        self._serve_now()
+
+    def _serve_now(self) -> None:
+        """Write, serve and declare a snapshot of the state now held (the run's, which no other peer serves)."""
+        if not self.config.client_mode and (self._snapshot_task is None or self._snapshot_task.done()):
+            self._snapshot_task = asyncio.get_running_loop().create_task(
+                self._snapshot(self._applied, self.trainer.live_state())
+            )
+
+    async def _keep_state(self) -> None:
+        """On leaving: keep the state this peer holds (the run's, at the step it applied last) in its data
+        folder, so the run's state outlives its volunteers. A later join of this run resumes from it when no
+        peer serves the run's state. Not while catching up or waiting (it does not hold the run's state) or
+        mid-step (a thread is changing the tensors)."""
+        if (
+            self.trainer is None
+            or self._pending_state is not None
+            or self._waiting is not None
+            or self._stepping
+            or self._applied == 0
+        ):
+            return
+        spec = self.spec
+        try:
+            self._kept.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(
+                save_snapshot,
+                self._kept,
+                run_id=spec.run_id,
+                step=self._applied,
+                recipe=spec.model.recipe,
+                args=dict(spec.model.args),
+                model_state=self.trainer.model.state_dict(),
+                optimizer_state=self.trainer.optimizer.state_dict(),
+                scheduler_state=None,
+                range_bytes=self.config.state.range_bytes,
+            )
+        except OSError as exc:
+            self._note(logging.WARNING, "could not keep the state of step %d (%s)", self._applied, exc)
+            return
+        self._note(
+            logging.INFO,
+            "kept the run's state of step %d in %s: joining again resumes from it if no peer serves a newer one",
+            self._applied,
+            self._kept,
+        )
+
     async def _switch_to_fetched_state(self) -> None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
         with delay 1, once no round is under way), so this peer holds what the others hold."""
@@ -1277,20 +1445,7 @@ class Volunteer:
             return
         if fetched is None or header is None:
             replay.clear()
-            self._applied = max(0, self.step - self.delay)
-            await self._record_params()
-            if self.config.init_from is not None:
-                self._note(
-                    logging.INFO, "no peer serves the run's state; resuming from %s", self.config.init_from
-                )
-            elif self.summary.steps_done or self.trainer.samples:
-                self._note(
-                    logging.WARNING, "no peer serves the run's state; keeping this volunteer's parameters"
-                )
-            else:
-                self._note(
-                    logging.WARNING, "no peer serves the run's state; training from the initial parameters"
-                )
+            await self._no_donor()
             return
         # The parameters should hold the averages of the steps below ``target``; with delay 1 the average
         # of step ``target`` is applied when the current step closes, as every peer does.
@@ -1350,6 +1505,7 @@ class Volunteer:
                 )
                 self._round_task = done  # applied when the current step closes
         replay.clear()
+        self._waiting = None
         self.summary.caught_up_to = self.step
         await self._record_params()
         self._note(

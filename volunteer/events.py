@@ -80,7 +80,7 @@ class RunNotice(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseChanged(Event):
-    phase: str  # "downloading", "catching-up", "training", "waiting-for-step" (its share of the step is computed), "waiting-for-group", "averaging", "stepping", "leaving"
+    phase: str  # "downloading", "catching-up", "waiting-for-state" (no peer serves the run's state), "training", "waiting-for-step" (its share of the step is computed), "waiting-for-group", "averaging", "stepping", "leaving"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
-from crowdtrain.protocol.errors import StateSyncError
+from crowdtrain.protocol.errors import ConfigError, StateSyncError
+
+KEEPER_POLL_S = 2.0  # how often a keeper (--every) asks whether the state moved on
 
 
 async def export_state(run_id: str, tracker_url: str, out: Path, token: str | None, timeout_s: float) -> dict:
@@ -67,11 +70,45 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"crowdtrain": json.dumps(info, sort_keys=True)}
+    # written beside, then moved in place: a keeper's previous checkpoint stays whole until the new one is
+    partial = out.with_name(out.name + ".partial")
     await asyncio.to_thread(
-        save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(out), metadata
+        save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(partial), metadata
     )
+    os.replace(partial, out)
     out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     return info
+
+
+async def keep_exporting(
+    run_id: str, tracker_url: str, out: Path, token: str | None, timeout_s: float, every: int, say
+) -> None:
+    """A keeper: export the run's state each time it is ``every`` steps newer than the last one written,
+    until interrupted, so the publisher holds the run's weights whatever its volunteers do (no GPU needed)."""
+    import asyncio
+
+    from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.protocol.errors import TrackerUnreachable
+
+    last: int | None = None
+    said = ""
+    while True:
+        try:
+            async with TrackerClient(tracker_url, timeout_s=timeout_s) as tracker:
+                donors = await tracker.donors(run_id)
+            if donors.state is not None and (last is None or donors.state.step >= last + every):
+                info = await export_state(run_id, tracker_url, out, token, timeout_s)
+                last = info["step"]
+                say({**info, "out": str(out)}, f"wrote {out} (global step {last})")
+                said = ""
+            elif donors.state is None and said != "waiting":
+                said = "waiting"
+                say(None, f"no volunteer serves run {run_id}'s state right now; waiting for one")
+        except (StateSyncError, TrackerUnreachable) as exc:
+            if said != str(exc):  # said once, then tried again
+                said = str(exc)
+                say(None, f"{exc}; trying again")
+        await asyncio.sleep(KEEPER_POLL_S)
 
 
 def export(
@@ -86,8 +123,27 @@ def export(
     ),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker per request."),
     json_out: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+    every: int | None = typer.Option(
+        None,
+        "--every",
+        help="Keep exporting: rewrite --out each time the run's state is N steps newer, until Ctrl-C "
+        "(a keeper of the run's weights; restore a run with `join --init-from`).",
+    ),
 ) -> None:
     """Fetch the run's newest state from its volunteers and write the model weights with recipe and args."""
+    if every is not None:
+        if every < 1:
+            raise ConfigError("--every", f"must be a whole number of steps ≥ 1, not {every}")
+        as_json = wants_json(ctx, json_out)
+
+        def say(info, line: str) -> None:
+            if as_json:
+                typer.echo(json.dumps(info if info is not None else {"notice": line}))
+            else:
+                typer.echo(line)
+
+        run_async(keep_exporting(run_id, tracker.rstrip("/"), out, token, timeout, every, say))
+        return
     info = run_async(export_state(run_id, tracker.rstrip("/"), out, token, timeout))
     if wants_json(ctx, json_out):
         typer.echo(json.dumps({**info, "out": str(out)}))

@@ -80,7 +80,8 @@ def join(
     init_from: Path | None = typer.Option(
         None,
         "--init-from",
-        help="Start from a `crowdtrain export` checkpoint when no peer serves the run's state (resume a run).",
+        help="Restore the run from a `crowdtrain export` checkpoint when no peer serves its state and this "
+        "volunteer kept none of the run's step (the step gap is told).",
     ),
     plain: bool = typer.Option(False, "--plain", help="One line per event instead of the live view."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per event (JSON lines)."),
