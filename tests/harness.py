@@ -77,13 +77,14 @@ async def published_run(
     chunk_bytes: int = 64 * 1024,
     seeder_rate: int = 0,
     db: str = ":memory:",
+    source: str | Path = "builtin:stdlib",
 ) -> AsyncIterator[Published]:
     config = TrackerConfig(db=db, heartbeat_interval_s=0.2, peer_ttl_s=10.0, **(tracker or {}))
     async with serve(config) as running:
         data = tmp_path / "dataset"
         manifest = await asyncio.to_thread(
             make_dataset,
-            "builtin:stdlib",
+            source,
             data,
             chunk_bytes=chunk_bytes,
             name="stdlib-test",

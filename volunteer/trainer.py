@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from crowdtrain.protocol.codecs import INT8_BLOCK
 from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.protocol.runcheck import check_optimizer
@@ -106,7 +107,24 @@ class Trainer:
                 "model", f"parameters must be float32 (master weights); {', '.join(wrong)} are not"
             )
         self.params = [p for _, p in self.named]
-        self.numel = sum(p.numel() for p in self.params)
+        # Buffers kept in the state (BatchNorm's running statistics and count) are state too, so every peer
+        # ends a step with the same ones and the peers' state hashes agree. Floating-point buffers travel in
+        # the averaged vector after the gradient (each peer takes their weighted mean); whole-number ones
+        # (num_batches_tracked) are set to the run's step count at each step. Non-persistent buffers
+        # (masks) are not state.
+        persistent = set(self.model.state_dict())
+        kept = sorted(
+            ((n, b) for n, b in self.model.named_buffers() if n in persistent and b.numel()),
+            key=lambda item: item[0],
+        )
+        self.buffers = [(n, b) for n, b in kept if b.dtype.is_floating_point]
+        self.counters = [(n, b) for n, b in kept if not b.dtype.is_floating_point]
+        self.param_numel = sum(p.numel() for p in self.params)
+        # the vector averaged every step: the gradient, then (from a whole int8 block on, so that no block of
+        # the lossy codec mixes gradients with values of another scale) the buffers' values
+        start = -(-self.param_numel // INT8_BLOCK) * INT8_BLOCK if self.buffers else self.param_numel
+        self._buffers_at = start
+        self.numel = start + sum(b.numel() for _, b in self.buffers)
         self._grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         self._views: list[torch.Tensor] = []
         offset = 0
@@ -176,11 +194,11 @@ class Trainer:
         return float(loss.detach()), n  # sync: .item() waits for the GPU to finish this micro-batch
 
     def flat_grad(self) -> np.ndarray:
-        """The mean gradient over the accumulated samples, float32, flat (zeros when there are none)."""
-        if self._samples == 0:
-            return np.zeros(self.numel, dtype=np.float32)
+        """The mean gradient over the accumulated samples, float32, flat (zeros when there are none), with
+        the buffers' values after it."""
         self._bind_grads()
-        mean = self._grad / self._samples
+        mean = self._grad / self._samples if self._samples else torch.zeros_like(self._grad)
+        self._read_buffers(mean)
         return mean.cpu().numpy()  # sync: device→host copy waits for every queued backward
 
     def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
@@ -199,6 +217,7 @@ class Trainer:
                 self._grad.div_(samples)
             else:
                 self._grad.zero_()
+            self._read_buffers(self._grad)
             self._consumed = True
             return self._grad.numpy()
         out = into if into is not None else np.empty(self.numel, dtype=np.float32)
@@ -213,9 +232,26 @@ class Trainer:
                 torch.cuda.current_stream(self.device).synchronize()  # sync: waits for this copy only
         else:
             host.zero_()
+        self._read_buffers(host)
         self._grad.zero_()
         self._consumed = False
         return out
+
+    @torch.no_grad()
+    def _read_buffers(self, vector: torch.Tensor) -> None:
+        """Write the buffers' values after the gradient in ``vector`` (float32, on any device)."""
+        offset = self._buffers_at
+        for _, b in self.buffers:
+            vector[offset : offset + b.numel()].copy_(b.reshape(-1))
+            offset += b.numel()
+
+    @torch.no_grad()
+    def _write_buffers(self, vector: torch.Tensor) -> None:
+        """Set the buffers from the values after the gradient in ``vector``."""
+        offset = self._buffers_at
+        for _, b in self.buffers:
+            b.copy_(vector[offset : offset + b.numel()].view_as(b))
+            offset += b.numel()
 
     def mean_buffer(self) -> np.ndarray | None:
         """Where to write a mean gradient that :meth:`apply` then steps with, copying nothing: the
@@ -258,11 +294,15 @@ class Trainer:
         source = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32))
         if source.data_ptr() != self._grad.data_ptr():  # (a mean handed out by take_grad is in place)
             self._grad.copy_(source)  # host→device copy
-        norm = torch.linalg.vector_norm(self._grad)
+        self._write_buffers(self._grad)
+        for _, counter in self.counters:
+            counter.fill_(step + 1)
+        grad = self._grad[: self.param_numel]
+        norm = torch.linalg.vector_norm(grad)
         clip = self.optimizer_spec.grad_clip
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s arithmetic, on the flat buffer in one kernel.
-            self._grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+            grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -279,9 +319,14 @@ class Trainer:
     # ------------------------------------------------------------------ parameters and state
 
     def flat_params(self) -> np.ndarray:
-        """All trainable parameters in the flat layout, float32 (a copy)."""
+        """All trainable parameters in the flat layout, then the buffers' values, float32 (a copy)."""
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+            pad = self._buffers_at - self.param_numel
+            flat = torch.cat(
+                [p.detach().reshape(-1) for p in self.params]
+                + [torch.zeros(pad, device=self.device)]
+                + [b.detach().reshape(-1).float() for _, b in self.buffers]
+            )
         return flat.cpu().numpy()  # sync: device→host copy
 
     def set_flat_params(self, values: np.ndarray) -> None:
@@ -301,6 +346,15 @@ class Trainer:
             for p in self.params:
                 p.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+        self._write_buffers(flat)
+
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The model's state for a snapshot written beside training: the live parameters (training does not
+        change them between two steps) and copies of the buffers (every forward pass changes those)."""
+        state = self.model.state_dict()
+        for name, b in self.buffers + self.counters:
+            state[name] = b.detach().clone()
+        return state
 
     def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(model state, optimizer state)`` for a snapshot: copies on the CPU, so they may be serialised

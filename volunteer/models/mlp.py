@@ -26,24 +26,46 @@ MLP_ARGS = {
     "out_features": Arg(int, 10, "classes (classification) or outputs (regression)", min=1),
     "task": Arg(str, "classification", "loss to train", choices=("classification", "regression")),
     "seed": Arg(int, 0, "seed of the initial parameters", min=0, max=2**63 - 1),
+    "batch_norm": Arg(bool, False, "BatchNorm after each hidden layer (its running statistics are state)"),
 }
 
 
 class MLPModel(nn.Module):
-    def __init__(self, in_features: int, hidden: int, n_layer: int, out_features: int, task: str) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        hidden: int,
+        n_layer: int,
+        out_features: int,
+        task: str,
+        batch_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.task = task
         widths = [in_features] + [hidden] * n_layer
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(widths))
+        self.norms = nn.ModuleList(nn.BatchNorm1d(hidden) for _ in range(n_layer)) if batch_norm else None
         self.head = nn.Linear(widths[-1], out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(x.shape[0], -1).float()
         if x.shape[1] != self.in_features:
             raise ValueError(f"mlp expects {self.in_features} values per sample, got {x.shape[1]}")
-        for layer in self.layers:
-            x = F.gelu(layer(x))
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.norms is not None:
+                norm = self.norms[i]
+                # a micro-batch of one sample (the last of a peer's share) has no batch statistics: it is
+                # normalised with the running ones, which it leaves as they are
+                x = (
+                    norm(x)
+                    if x.shape[0] > 1 or not self.training
+                    else F.batch_norm(
+                        x, norm.running_mean, norm.running_var, norm.weight, norm.bias, training=False
+                    )
+                )
+            x = F.gelu(x)
         return self.head(x)
 
 
@@ -55,12 +77,19 @@ class MLPRecipe(TableRecipe):
 
     def _make(self, args: dict[str, ArgValue]) -> nn.Module:
         return MLPModel(
-            args["in_features"], args["hidden"], args["n_layer"], args["out_features"], str(args["task"])
+            args["in_features"],
+            args["hidden"],
+            args["n_layer"],
+            args["out_features"],
+            str(args["task"]),
+            bool(args["batch_norm"]),
         )
 
     def _init(
         self, name: str, shape: tuple[int, ...], args: dict[str, ArgValue], generator: torch.Generator
     ) -> torch.Tensor:
+        if name.startswith("norms."):  # BatchNorm's affine: PyTorch's default (weight 1, bias 0)
+            return torch.ones(shape) if name.endswith(".weight") else torch.zeros(shape)
         # PyTorch's default Linear init, drawn from the recipe's generator: U(±1/sqrt(fan_in)).
         fan_in = shape[1] if name.endswith(".weight") else None
         if fan_in is None:  # a bias: its layer's weight has the fan-in

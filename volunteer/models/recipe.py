@@ -119,9 +119,17 @@ class TableRecipe:
             # Sorted names: the initial values depend on the parameter schema only, not on module order.
             for pname, p in sorted(model.named_parameters()):
                 p.copy_(self._init(pname, tuple(p.shape), full, generator))
-        if any(True for _ in model.buffers()):
+        # Normalisation layers fill their buffers themselves (running statistics: mean 0, variance 1, count 0);
+        # any other buffer a meta-device build cannot fill.
+        filled = set()
+        for prefix, module in model.named_modules():
+            if hasattr(module, "reset_running_stats"):
+                module.reset_running_stats()
+                filled |= {f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers(recurse=False)}
+        if unfilled := [n for n, _ in model.named_buffers() if n not in filled]:
             raise RecipeError(
-                f"Recipe {self.name!r} registers buffers, which a meta-device build cannot fill."
+                f"Recipe {self.name!r} registers buffers ({', '.join(unfilled[:3])}) that a meta-device build "
+                "cannot fill; only normalisation layers' running statistics can be"
             )
         model.crowdtrain_recipe = self.name  # read by check_param_hash's message
         model.crowdtrain_args = full
