@@ -5,6 +5,7 @@ state, a newcomer waits (computing nothing, saying why) until the publisher rest
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import sys
@@ -154,7 +155,7 @@ async def test_export_every_n_steps_keeps_the_newest_weights_until_interrupted(t
             await asyncio.wait_for(training, 60)
     assert code == 130
     steps = [w["step"] for w in written]
-    assert all(b - a >= 3 for a, b in zip(steps, steps[1:])), steps
+    assert all(b - a >= 3 for a, b in itertools.pairwise(steps)), steps
     # the file holds the last one written, whole, with its recipe and step
     assert json.loads(out.with_suffix(".json").read_text())["step"] == steps[-1]
     assert set(load_file(str(out))) == set(
