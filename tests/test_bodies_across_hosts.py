@@ -18,27 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.netns import Network, requires_netns
+from tests.test_across_hosts import RUN_TOML  # the README's run file
 
 pytestmark = [requires_netns, pytest.mark.slow, pytest.mark.timeout(300)]
 
 PORT = 8470  # each host is its own machine: nothing else listens there
 CREATES = 40
-RUN_TOML = """\
-name = "answers read whole"
-target_batch_size = 64
-micro_batch_size = 8
-
-[model]
-recipe = "tiny-gpt"
-[model.args]
-d_model = 32
-n_layer = 1
-n_head = 2
-seq_len = 32
-
-[dataset]
-dir = "data"
-"""
 
 # The publisher's side, run on its host: the same calls `crowdtrain run create` and `crowdtrain status` make.
 PUBLISHER = r"""
