@@ -62,13 +62,39 @@ def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], b
     return {"infohash": infohash, "manifest": to_builtins(manifest), "web_seed": web_seed}, torrent
 
 
-def param_hash_of(model: dict[str, Any]) -> str:
-    """Build the recipe locally to compute its parameter-schema hash (imports torch; publisher side only)."""
+def param_hash_of(model: dict[str, Any], dataset_kind: str | None = None) -> str:
+    """Build the recipe locally, as every volunteer will, and return its parameter-schema hash (imports
+    torch; publisher side only). The pre-flight of ``run create``: a recipe of another kind than the data set
+    (``dataset_kind``), arguments the recipe refuses, or a build whose initial values differ from one build to
+    the next (each volunteer would train a different model) are refused here, each in one sentence."""
+    import torch
+
+    from crowdtrain.protocol.errors import CrowdtrainError, RecipeError
     from crowdtrain.volunteer.models.recipe import param_hash
     from crowdtrain.volunteer.models.registry import get_recipe
 
-    recipe = get_recipe(str(model.get("recipe", "")))
-    return param_hash(recipe.build(dict(model.get("args", {}))))
+    name = str(model.get("recipe", ""))
+    args = dict(model.get("args", {}))
+    recipe = get_recipe(name)
+    if dataset_kind is not None and recipe.kind != dataset_kind:
+        raise RecipeError(
+            f"recipe {name!r} trains on {recipe.kind} data sets, but this run's data set holds {dataset_kind}; "
+            "choose a recipe of that kind or another data set"
+        )
+    try:
+        built = [recipe.build(args) for _ in range(2)]
+    except CrowdtrainError:
+        raise
+    except Exception as exc:  # the recipe's own code: its error, said in one sentence
+        raise RecipeError(f"recipe {name!r} cannot build a model with the arguments {args}: {exc}") from None
+    first, second = (m.state_dict() for m in built)
+    differ = [k for k in first if not torch.equal(first[k], second[k])]
+    if differ:
+        raise RecipeError(
+            f"recipe {name!r} builds different initial values each time ({differ[0]} differs between two builds), "
+            "so every volunteer would train a different model; draw them from a generator seeded by the arguments"
+        )
+    return param_hash(built[0])
 
 
 def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **settings: Any) -> RunCreate:
@@ -80,7 +106,7 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
     dataset, torrent = read_dataset({"dir": str(data_dir)}, Path.cwd())
     model = dict(model)
     if not model.get("param_hash"):
-        model["param_hash"] = param_hash_of(model)
+        model["param_hash"] = param_hash_of(model, dataset["manifest"]["kind"])
     doc = {
         "name": name,
         "model": model,

@@ -165,7 +165,7 @@ async def test_run_create_computes_the_param_hash_when_the_spec_omits_it(tracker
     from crowdtrain.volunteer.models.recipe import param_hash
 
     write_dataset(tmp_path / "data", tracker.announce_url)
-    recipe = torch_recipes.get_recipe("mlp")
+    recipe = torch_recipes.get_recipe("tiny-gpt")  # a tokens recipe, as the data set
     spec = tmp_path / "run.toml"
     spec.write_text(
         f'name = "hashless"\ntarget_batch_size = 32\n[model]\nrecipe = "{recipe.name}"\n[dataset]\ndir = "data"\n'

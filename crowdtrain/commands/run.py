@@ -38,7 +38,7 @@ def load_spec(path: Path):  # -> RunCreate
     doc["torrent"] = base64.b64encode(torrent).decode()
     model = doc.get("model")
     if isinstance(model, dict) and not model.get("param_hash"):
-        model["param_hash"] = param_hash_of(model)
+        model["param_hash"] = param_hash_of(model, dataset["manifest"]["kind"])
     try:
         return convert(doc, RunCreate)
     except ProtocolError as exc:
