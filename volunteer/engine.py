@@ -1180,23 +1180,38 @@ class Volunteer:
         if self._snapshot_writing is not None:
             await asyncio.wait({self._snapshot_writing})
 
+    def _write_state(self, path: Path, step: int, model_state: dict):
+        """Write this peer's state (``model_state`` and the optimizer's) as the snapshot of ``step`` to
+        ``path`` (blocking: call it in a thread)."""
+        spec = self.spec
+        return save_snapshot(
+            path,
+            run_id=spec.run_id,
+            step=step,
+            recipe=spec.model.recipe,
+            args=dict(spec.model.args),
+            model_state=model_state,
+            optimizer_state=self.trainer.optimizer.state_dict(),
+            scheduler_state=None,
+            range_bytes=self.config.state.range_bytes,
+        )
+
+    async def _load_state(self, path: Path):
+        """Load a snapshot file into the model and optimizer: the model's tensors are read in place, the
+        optimizer's into fresh ones it keeps (no copy)."""
+        loaded = await asyncio.to_thread(load_snapshot, path, into=self.trainer.model.state_dict())
+        await asyncio.to_thread(
+            self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
+        )
+        return loaded
+
     async def _snapshot(self, step: int, model_state: dict) -> None:
         """Write, serve and declare the snapshot of ``step``; ``model_state`` is :meth:`Trainer.live_state`,
         taken right after the step was applied (live parameters: no copy; the buffers copied)."""
-        spec = self.spec
         started = time.monotonic()
         write = asyncio.ensure_future(
             asyncio.to_thread(
-                save_snapshot,
-                self._state_dir / f"state-{step}.safetensors",
-                run_id=self.config.run_id,
-                step=step,
-                recipe=spec.model.recipe,
-                args=dict(spec.model.args),
-                model_state=model_state,
-                optimizer_state=self.trainer.optimizer.state_dict(),
-                scheduler_state=None,
-                range_bytes=self.config.state.range_bytes,
+                self._write_state, self._state_dir / f"state-{step}.safetensors", step, model_state
             )
         )
         self._snapshot_writing = write
@@ -1363,10 +1378,7 @@ class Volunteer:
     async def _load_kept(self, step: int) -> None:
         """Resume from this peer's own kept state (of the run's step): load it and serve it to others."""
         await self._snapshot_written()
-        loaded = await asyncio.to_thread(load_snapshot, self._kept, into=self.trainer.model.state_dict())
-        await asyncio.to_thread(
-            self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
-        )
+        await self._load_state(self._kept)
         self._drop_accumulation()
         self._applied = step
         self.summary.caught_up_to = self.step
@@ -1398,20 +1410,10 @@ class Volunteer:
             or self._applied == 0
         ):
             return
-        spec = self.spec
         try:
             self._kept.parent.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(
-                save_snapshot,
-                self._kept,
-                run_id=spec.run_id,
-                step=self._applied,
-                recipe=spec.model.recipe,
-                args=dict(spec.model.args),
-                model_state=self.trainer.model.state_dict(),
-                optimizer_state=self.trainer.optimizer.state_dict(),
-                scheduler_state=None,
-                range_bytes=self.config.state.range_bytes,
+                self._write_state, self._kept, self._applied, self.trainer.model.state_dict()
             )
         except OSError as exc:
             self._note(logging.WARNING, "could not keep the state of step %d (%s)", self._applied, exc)
@@ -1466,11 +1468,7 @@ class Volunteer:
             return
         await self._snapshot_written()
         try:
-            # the model's tensors are read in place, the optimizer's into fresh ones it keeps (no copy)
-            loaded = await asyncio.to_thread(load_snapshot, fetched, into=self.trainer.model.state_dict())
-            await asyncio.to_thread(
-                self.trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
-            )
+            loaded = await self._load_state(fetched)
         finally:
             fetched.unlink(missing_ok=True)
         self._drop_accumulation()  # (each step replayed would zero it anyway)
