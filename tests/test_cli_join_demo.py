@@ -94,3 +94,34 @@ def test_demo_with_two_volunteers_runs_to_its_summary_and_leaves_no_process(cli_
     run_id = re.search(r"^run\s+(\S+)", out.stdout, re.M).group(1)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert run_id not in ps, [line for line in ps.splitlines() if run_id in line]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_late_volunteer_joins_a_moving_run_catches_up_and_computes(cli_env):
+    cli_env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(  # 3 volunteers, 30 steps: the demo a newcomer sees
+        [sys.executable, "-m", "crowdtrain", "demo", "--plain"],
+        capture_output=True,
+        text=True,
+        env=cli_env,
+        timeout=360,
+    )
+    text = out.stdout
+    assert out.returncode == 0, text[-3000:] + out.stderr[-3000:]
+    assert re.search(r"^volunteer-3 joins late, at global step \d+$", text, re.M), text[-3000:]
+    late = re.search(
+        r"^late joiner\s+volunteer-3 joined at step (\d+), caught up from peers \(the state of step (\d+) "
+        r"in [\d.]+ s\), then put ([\d,]+) samples into (\d+) of the (\d+) steps since and computed (\d+)% "
+        r"of its time$",
+        text,
+        re.M,
+    )
+    assert late, text[-3000:]
+    joined, loaded, samples, steps_in, steps_since, share = (int(g.replace(",", "")) for g in late.groups())
+    assert joined >= 1 and loaded >= joined  # the run had moved on: it loaded a state from its peers
+    assert samples > 0 and steps_in > 0 and steps_since > 0
+    assert share > 0
+    assert re.search(r"^state catch-up\s+.*volunteer-3.* loaded the run's state from peers$", text, re.M)
+    compute = re.search(r"^compute share\s+mean \d+%: .*volunteer-3 (\d+)%", text, re.M)
+    assert compute and int(compute.group(1)) > 0, text[-2000:]

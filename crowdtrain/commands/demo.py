@@ -5,13 +5,21 @@ Python standard library's own source) into a small data set, seeds it, creates a
 volunteer processes through the ordinary ``crowdtrain join`` path, the last one late so that it has to
 catch up. Each volunteer prints its events as JSON lines; the demo folds them into one view and ends with
 a summary. Ctrl-C stops everything; no process is left behind.
+
+The late volunteer's process starts with the others, but it only imports what a volunteer runs on (torch
+and the rest: seconds on a small CPU) and then waits; the demo tells it to go on with ``crowdtrain join``
+once the run has taken :data:`LATE_STEP` steps. So it joins a run that has moved on, loads the run's state
+from its peers, and still trains for most of the run, however long the imports took; the summary says at
+which step it joined and what it did from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import importlib
 import sys
 import tempfile
 import time
@@ -21,12 +29,18 @@ from pathlib import Path
 import typer
 
 from crowdtrain.commands.common import run_async
-from crowdtrain.procs import Child, json_events, stop_processes
+from crowdtrain.procs import Child, child_env, json_events, stop_processes
 from crowdtrain.protocol.errors import ConfigError, CrowdtrainError
 
 DEMO_CHUNK_BYTES = 64 * 1024
 DEMO_MAX_BYTES = 3 * 1024 * 1024
 DEMO_SEEDER_RATE = 1_000_000  # bytes/s: slow enough that volunteers also fetch chunks from each other
+DEMO_MODEL_ARGS = {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}  # tiny-gpt's
+LATE_STEP = 1  # the late volunteer is told to join once the run has taken this many steps
+# The late volunteer's process: `python -c WAIT_THEN_JOIN join RUN_ID ...` (see join_when_told).
+WAIT_THEN_JOIN = (
+    "import sys; from crowdtrain.commands.demo import join_when_told; join_when_told(sys.argv[1:])"
+)
 
 
 @dataclass(slots=True)
@@ -39,6 +53,12 @@ class VolunteerProc:
     bytes_sent: int = 0
     raw_bytes: int = 0
     downloaded: int = 0
+    late: bool = False  # its process waits to be told to join (see join_when_told)
+    told_at: int | None = None  # the run's global step when it was told to join
+    joined_step: int | None = None  # the run's global step when it joined, as the tracker said
+    first_load: object = None  # its first StateLoaded event
+    steps_contributed: int = 0  # steps it put samples into
+    samples_contributed: int = 0
 
     @property
     def proc(self) -> asyncio.subprocess.Process | None:
@@ -101,10 +121,7 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
                 build_run_create,
                 data,
                 name="demo",
-                model={
-                    "recipe": "tiny-gpt",
-                    "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64},
-                },
+                model={"recipe": "tiny-gpt", "args": dict(DEMO_MODEL_ARGS)},
                 target_batch_size=192,  # slow enough that the late volunteer (~7 s to start) finds the run
                 micro_batch_size=16,
                 optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
@@ -158,10 +175,18 @@ async def _run_volunteers(
 
     def on_event(p: VolunteerProc, event: ev.Event) -> None:
         p.state = apply(p.state, event)
-        if isinstance(event, ev.StepDone) and event.loss is not None:  # its mean loss over the step
-            if len(p.first_losses) < 3:
-                p.first_losses.append(event.loss)
-            p.last_losses = [*p.last_losses[-2:], event.loss]
+        if isinstance(event, ev.StepDone):
+            if event.contributed_samples > 0:
+                p.steps_contributed += 1
+                p.samples_contributed += event.contributed_samples
+            if event.loss is not None:  # its mean loss over the step
+                if len(p.first_losses) < 3:
+                    p.first_losses.append(event.loss)
+                p.last_losses = [*p.last_losses[-2:], event.loss]
+        elif isinstance(event, ev.Joined):
+            p.joined_step = event.global_step
+        elif isinstance(event, ev.StateLoaded) and p.first_load is None:
+            p.first_load = event
         elif isinstance(event, ev.RoundDone):
             p.bytes_sent += event.bytes_sent
             p.raw_bytes += event.raw_bytes
@@ -174,35 +199,57 @@ async def _run_volunteers(
 
     async def start(p: VolunteerProc, tg: asyncio.TaskGroup) -> None:
         args = ["join", run_id, "--tracker", tracker_url, "--host", "127.0.0.1"]  # nothing on the network
-        p.child = await Child.start(
-            [*args, "--json", "--data-dir", str(tmp / p.name), "--max-steps", str(steps)],
-            name=p.name,
-            on_line=json_events(functools.partial(on_event, p)),
-            tg=tg,  # its output is read in this group
+        args += ["--json", "--data-dir", str(tmp / p.name), "--max-steps", str(steps)]
+        on_line = json_events(functools.partial(on_event, p))
+        if not p.late:
+            p.child = await Child.start(args, name=p.name, on_line=on_line, tg=tg)  # output read in tg
+            return
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            WAIT_THEN_JOIN,
+            *args,
+            stdin=asyncio.subprocess.PIPE,  # where it is told to join
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=child_env(),
+            start_new_session=True,  # as Child.start: Ctrl-C reaches the demo, which stops it
         )
+        p.child = Child(p.name, proc, on_line, 40, tg)
+
+    async def tell(p: VolunteerProc, step: int) -> None:
+        p.told_at = step
+        stdin = p.child.proc.stdin
+        stdin.write(b"join\n")
+        with contextlib.suppress(ConnectionError):  # it has already exited: the failure report says why
+            await stdin.drain()
+        stdin.close()
 
     def view():
         rows = [DemoRow.from_state(p.name, p.state) for p in procs]
+        if late and procs[-1].told_at is None:
+            rows[-1] = dataclasses.replace(rows[-1], phase=f"joins late, at step {LATE_STEP}")
         return render_demo(procs[0].state, rows)
 
     on_time = procs[:-1] if late else procs
+    if late:
+        procs[-1].late = True
     async with asyncio.TaskGroup() as tg:
-        for p in on_time:
+        for p in procs:  # the late one too: it imports, then waits to be told
             await start(p, tg)
         live = None if plain else Live(view(), console=console, auto_refresh=False, transient=False)
         with live if live is not None else contextlib.nullcontext():
-            late_started = not late
             while True:
                 if live is not None:
                     live.update(view(), refresh=True)
                 running = [p for p in procs if p.child is not None and p.child.returncode is None]
-                if late_started and not running:
+                waiting = late and procs[-1].told_at is None
+                if not waiting and not running:
                     break
-                if not late_started:
+                if waiting:
                     step = max((p.state.global_step or 0) for p in on_time)
-                    if step >= max(2, steps // 4) or all(p.child.returncode is not None for p in on_time):
-                        late_started = True
-                        await start(procs[-1], tg)
+                    if step >= LATE_STEP or all(p.child.returncode is not None for p in on_time):
+                        await tell(procs[-1], step)
                         if plain:
                             console.print(f"{procs[-1].name} joins late, at global step {step}")
                 await asyncio.sleep(0.25)
@@ -217,6 +264,28 @@ async def _run_volunteers(
         raise CrowdtrainError(
             f"{len(failed)} of {len(procs)} demo volunteers failed; their last output is above."
         )
+
+
+def join_when_told(argv: list[str]) -> None:
+    """The late volunteer's process (``python -c WAIT_THEN_JOIN ARGV``): import what a volunteer runs on
+    and build the demo's model once (torch loads more of itself on its first build, a second on a small
+    CPU), wait for a line on stdin, then run ``crowdtrain ARGV`` (``join ...``) like any volunteer: it
+    fetches the run, builds its model, joins and loads the run's state as usual. It ends without joining
+    when stdin ends first (the demo is gone) or on Ctrl-C while it waits."""
+    try:
+        for module in ("crowdtrain.volunteer.engine", "crowdtrain.volunteer.view.live"):
+            importlib.import_module(module)  # torch and the rest of a volunteer: the slow part of its start
+        from crowdtrain.cli import main
+        from crowdtrain.volunteer.models import get_recipe
+
+        get_recipe("tiny-gpt").build(dict(DEMO_MODEL_ARGS))  # thrown away: only torch's first-use work
+
+        told = sys.stdin.readline()
+    except KeyboardInterrupt:
+        sys.exit(130)  # as crowdtrain.cli.EXIT_INTERRUPTED
+    if not told:
+        return
+    main(argv)
 
 
 async def stop_all(procs) -> None:
@@ -254,6 +323,29 @@ def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, see
     caught = [p.name for p in procs if p.state.last_sync_s is not None]
     if caught:
         console.print(f"state catch-up    {', '.join(caught)} loaded the run's state from peers")
+    for p in procs:
+        if p.late:
+            console.print(f"late joiner       {_late_joiner(p, final_step)}")
+
+
+def _late_joiner(p: VolunteerProc, final_step: int) -> str:
+    """``volunteer-3 joined at step 2, caught up from peers (the state of step 2 in 0.05 s), then put 1,234
+    samples into 26 of the 28 steps since and computed 71% of its time``."""
+    from crowdtrain.volunteer.view.fmt import fmt_percent
+
+    if p.joined_step is None:
+        return f"{p.name} never joined the run"
+    said = f"{p.name} joined at step {p.joined_step}"
+    load = p.first_load
+    if load is not None and load.donors_used:
+        said += f", caught up from peers (the state of step {load.step} in {load.duration_s:.2f} s)"
+    elif p.joined_step > 0:
+        said += ", loaded no state from peers"
+    since = max(0, final_step - p.joined_step)
+    return (
+        f"{said}, then put {p.samples_contributed:,} samples into {p.steps_contributed} of the {since} steps "
+        f"since and computed {fmt_percent(p.state.compute_share)} of its time"
+    )
 
 
 def _compute_shares(procs: list[VolunteerProc]) -> str:
