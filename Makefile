@@ -15,8 +15,11 @@ $(VENV)/.torch: | $(PY)
 	$(PIP) install "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(PIP) install -e ".[test]"
+# The example recipe package (docs/recipes.md) too: its tests need its entry points installed.
+EXAMPLE_RECIPES := examples/crowdtrain-example-recipes
+
+$(VENV)/.installed: pyproject.toml $(EXAMPLE_RECIPES)/pyproject.toml $(VENV)/.torch
+	$(PIP) install -e ".[test]" -e $(EXAMPLE_RECIPES)
 	touch $@
 
 demo: $(VENV)/.installed

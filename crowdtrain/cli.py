@@ -76,6 +76,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("crowdtrain.commands.status", "status", "status"),
     ("crowdtrain.commands.join", "join", "join"),
     ("crowdtrain.commands.export", "export", "export"),
+    ("crowdtrain.commands.recipes", "recipes", "recipes"),
     ("crowdtrain.commands.demo", "demo", "demo"),
 ]
 

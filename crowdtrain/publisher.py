@@ -62,39 +62,58 @@ def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], b
     return {"infohash": infohash, "manifest": to_builtins(manifest), "web_seed": web_seed}, torrent
 
 
-def param_hash_of(model: dict[str, Any], dataset_kind: str | None = None) -> str:
-    """Build the recipe locally, as every volunteer will, and return its parameter-schema hash (imports
-    torch; publisher side only). The pre-flight of ``run create``: a recipe of another kind than the data set
-    (``dataset_kind``), arguments the recipe refuses, or a build whose initial values differ from one build to
-    the next (each volunteer would train a different model) are refused here, each in one sentence."""
-    import torch
+PREFLIGHT_BATCH = (
+    64  # samples in the pre-flight's micro-batch at most (the spec's micro_batch_size if smaller)
+)
 
-    from crowdtrain.protocol.errors import CrowdtrainError, RecipeError
+
+def preflight(
+    model: dict[str, Any], folder: Path, manifest: dict[str, Any] | Any, micro_batch_size: int = 8
+) -> dict[str, Any]:
+    """Build the recipe as every volunteer will and run one micro-batch of the data set through it; return
+    the ``[model]`` table the run spec carries: the recipe, its whole argument set (defaults filled in), the
+    parameter-schema hash and the hash of the initial values. Imports torch (publisher side only).
+
+    Refused, each in one sentence (:mod:`crowdtrain.volunteer.models.preflight`): a recipe of another kind
+    than the data set, arguments its code refuses, a token recipe without ``seq_len``, token ids beyond its
+    ``vocab``, a build whose values differ between two builds, a micro-batch its ``loss`` cannot take.
+    """
+    from crowdtrain.datasets.chunks import max_token_id
+    from crowdtrain.datasets.sampler import Sampler
+    from crowdtrain.protocol.messages import DatasetManifest
+    from crowdtrain.volunteer.models import preflight as pf
+    from crowdtrain.volunteer.models.origin import code_hash, package_of
     from crowdtrain.volunteer.models.recipe import param_hash
     from crowdtrain.volunteer.models.registry import get_recipe
 
-    name = str(model.get("recipe", ""))
-    args = dict(model.get("args", {}))
-    recipe = get_recipe(name)
-    if dataset_kind is not None and recipe.kind != dataset_kind:
-        raise RecipeError(
-            f"recipe {name!r} trains on {recipe.kind} data sets, but this run's data set holds {dataset_kind}; "
-            "choose a recipe of that kind or another data set"
-        )
-    try:
-        built = [recipe.build(args) for _ in range(2)]
-    except CrowdtrainError:
-        raise
-    except Exception as exc:  # the recipe's own code: its error, said in one sentence
-        raise RecipeError(f"recipe {name!r} cannot build a model with the arguments {args}: {exc}") from None
-    first, second = (m.state_dict() for m in built)
-    differ = [k for k in first if not torch.equal(first[k], second[k])]
-    if differ:
-        raise RecipeError(
-            f"recipe {name!r} builds different initial values each time ({differ[0]} differs between two builds), "
-            "so every volunteer would train a different model; draw them from a generator seeded by the arguments"
-        )
-    return param_hash(built[0])
+    if not isinstance(manifest, DatasetManifest):
+        manifest = convert(manifest, DatasetManifest)
+    recipe = get_recipe(str(model.get("recipe", "")))
+    pf.check_kind(recipe, manifest.kind)
+    args = pf.resolved_args(recipe, dict(model.get("args", {})))
+    seq_len = pf.window(recipe, args)
+    built = pf.build(recipe, args)
+    pf.check_deterministic(recipe, args, built)
+    hashes = {"param_hash": param_hash(built), "init_hash": pf.initial_hash(built)}  # before a forward pass
+    if manifest.kind == "tokens":
+        pf.check_token_ids(recipe, args, max_token_id(manifest, folder), f"data set {manifest.name!r}")
+    sampler = Sampler(manifest, folder, seed=0, seq_len=seq_len)
+    for index in range(len(manifest.chunks)):
+        sampler.add_chunk(index)
+        if sampler.ready:
+            break
+    batch = sampler.batch(min(micro_batch_size, PREFLIGHT_BATCH))
+    pf.check_micro_batch(recipe, built, batch.x, batch.y)
+    name = str(model["recipe"])
+    origin = {"package": package_of(name), "code_hash": code_hash(name, recipe)}
+    return {**model, "args": args, **hashes, **origin}
+
+
+def param_hash_of(
+    model: dict[str, Any], folder: Path, manifest: dict[str, Any], micro_batch_size: int = 8
+) -> str:
+    """The parameter-schema hash :func:`preflight` computes (after all its checks)."""
+    return preflight(model, folder, manifest, micro_batch_size)["param_hash"]
 
 
 def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **settings: Any) -> RunCreate:
@@ -106,7 +125,8 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
     dataset, torrent = read_dataset({"dir": str(data_dir)}, Path.cwd())
     model = dict(model)
     if not model.get("param_hash"):
-        model["param_hash"] = param_hash_of(model, dataset["manifest"]["kind"])
+        micro = int(settings.get("micro_batch_size", 8))
+        model = preflight(model, Path(data_dir), dataset["manifest"], micro)
     doc = {
         "name": name,
         "model": model,

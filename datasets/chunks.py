@@ -124,3 +124,14 @@ def load_chunk(
     if mmap:  # the bytes were checked; keep only a read-only mapping of them in memory
         return np.memmap(path, dtype=want, mode="r", offset=offset, shape=(info.samples,))
     return np.frombuffer(data, dtype=want, count=info.samples, offset=offset)
+
+
+def max_token_id(manifest: DatasetManifest, folder: Path) -> int:
+    """The largest token id in a tokens data set's chunks (each checked against the manifest as it is read);
+    -1 for a set without tokens."""
+    top = -1
+    for info in manifest.chunks:
+        chunk = load_chunk(folder / info.name, info, manifest, mmap=True)
+        if chunk.size:
+            top = max(top, int(chunk.max()))
+    return top

@@ -40,7 +40,10 @@ class Sampler:
         *,
         seed: int,
         seq_len: int | None = None,
+        vocab: int | None = None,
     ) -> None:
+        """``vocab``: token ids must stay below it (the run's model embeds no other); a chunk holding a larger
+        id is refused when it is added, in one sentence."""
         if manifest.kind == "tokens":
             if seq_len is None or seq_len < 1:
                 raise ConfigError(
@@ -51,6 +54,7 @@ class Sampler:
         self.manifest = manifest
         self.data_dir = Path(data_dir)
         self.seq_len = seq_len
+        self.vocab = vocab if manifest.kind == "tokens" else None
         if manifest.chunks and not any(self._span(i) > 0 for i in range(len(manifest.chunks))):
             raise ConfigError(
                 "seq_len",
@@ -85,7 +89,14 @@ class Sampler:
         if index in self._chunks:
             return
         info = self.manifest.chunks[index]
-        self._chunks[index] = load_chunk(self.data_dir / info.name, info, self.manifest, mmap=True)
+        chunk = load_chunk(self.data_dir / info.name, info, self.manifest, mmap=True)
+        if self.vocab is not None and chunk.size and (top := int(chunk.max())) >= self.vocab:
+            raise DatasetError(
+                f"Chunk {info.name} of data set {self.manifest.name!r} holds token id {top}, but the run's model "
+                f"has a vocabulary of {self.vocab} (ids 0 to {self.vocab - 1}); the run's spec does not fit its "
+                "data set; tell its publisher (a `run create` of this version refuses such a spec)."
+            )
+        self._chunks[index] = chunk
         if self._span(index) > 0:
             self._held = sorted([*self._held, index])
             spans = np.array([self._span(i) for i in self._held], dtype=np.float64)

@@ -71,6 +71,13 @@ class ModelSpec(Message, kw_only=True):
     args: dict[str, int | float | str | bool] = {}
     # sha256 of parameter names, shapes and dtypes; "" = filled in by `run create` (a tracker refuses "")
     param_hash: Annotated[str, Meta(pattern=PARAM_HASH, max_length=64)] = ""
+    # sha256 of the initial values (parameters and buffers) as `run create` built them; "" = not checked.
+    # A volunteer whose recipe (or torch) builds other values is refused before it trains another model.
+    init_hash: Annotated[str, Meta(pattern=PARAM_HASH, max_length=64)] = ""
+    # the distribution that provides the recipe, "name==version" (docs/recipes.md), and the sha256 of the
+    # recipe's source files; "" = not checked. A volunteer whose recipe's code differs is refused.
+    package: Annotated[str, Meta(max_length=200)] = ""
+    code_hash: Annotated[str, Meta(pattern=PARAM_HASH, max_length=64)] = ""
 
 
 class OptimizerSpec(Message, kw_only=True):
@@ -141,6 +148,36 @@ class DatasetRef(Message, kw_only=True):
 
 
 JoinPolicy = Literal["public", "token"]
+MetricName = Annotated[str, Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")]
+Metrics = Annotated[dict[MetricName, float], Meta(max_length=16)]  # a recipe's metrics, beside the loss
+
+
+class EvalSpec(Message, kw_only=True):
+    """The run's held-out split: the data set's last ``holdout_chunks`` chunks are never trained on; every
+    ``every`` steps each volunteer evaluates the state on the same ``samples`` samples of them (drawn once
+    with the run's seed) and reports the mean loss and the recipe's metrics in its heartbeat."""
+
+    every: int = 0  # steps between evaluations; 0: no held-out split, no evaluation
+    holdout_chunks: int = 1
+    samples: int = 256
+
+
+class EvalReport(Message, kw_only=True):
+    """One volunteer's evaluation of the state after ``step`` steps, carried by its next heartbeat."""
+
+    step: Count  # steps the evaluated state has taken (a multiple of ``eval.every``)
+    loss: float
+    metrics: Metrics = {}
+    samples: Count
+
+
+class EvalRecord(Message, kw_only=True):
+    """The run's evaluation of the state after ``step`` steps: the mean of its volunteers' reports."""
+
+    step: int
+    loss: float
+    metrics: dict[str, float] = {}
+    reports: int  # volunteers whose reports make the mean
 
 
 class RunSpec(Message, kw_only=True):
@@ -154,6 +191,7 @@ class RunSpec(Message, kw_only=True):
     target_batch_size: int  # samples per global step, summed over all volunteers
     micro_batch_size: int = 8
     averaging: AveragingSpec = AveragingSpec()
+    eval: EvalSpec = EvalSpec()
     join_policy: JoinPolicy = "public"
     tracker_public_key: str  # hex Ed25519 key that signs credentials and group assignments
     seed: int = 0
@@ -171,6 +209,7 @@ class RunCreate(Message, kw_only=True):
     target_batch_size: int
     micro_batch_size: int = 8
     averaging: AveragingSpec = AveragingSpec()
+    eval: EvalSpec = EvalSpec()
     join_policy: JoinPolicy = "public"
     join_token: str | None = None  # required when join_policy is "token"
     seed: int = 0
@@ -254,6 +293,7 @@ class Heartbeat(Message, kw_only=True):
     computing: bool = True  # False: what it computes does not count now (catching up, or no chunk yet)
     # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
     compute_share: float | None = None
+    eval: EvalReport | None = None  # its evaluation of the held-out split, once per evaluated step
 
 
 class HeartbeatReply(Message, kw_only=True):
@@ -418,6 +458,7 @@ class StepHistory(Message, kw_only=True):
 
     version: Version = VERSION
     steps: list[StepRecord]
+    evals: list[EvalRecord] = []  # the held-out evaluations of those steps' states, oldest first
 
 
 class RunStatus(Message, kw_only=True):
@@ -437,6 +478,7 @@ class RunStatus(Message, kw_only=True):
     # the data set's BitTorrent swarm as this tracker's /announce sees it
     swarm_seeds: int = 0
     swarm_peers: int = 0
+    evals: list[EvalRecord] = []  # the newest held-out evaluations, newest first (see EvalSpec)
 
 
 class ErrorBody(Message, kw_only=True):

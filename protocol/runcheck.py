@@ -163,6 +163,8 @@ def check_run(msg: RunCreate | RunSpec) -> None:
             "model.recipe",
             f"{msg.model.recipe[:80]!r} is not a recipe name (letters, digits, '.', '_', '-', ':')",
         )
+    if msg.model.package:
+        check_text("model.package", msg.model.package, 200)
     if len(msg.model.args) > 100:
         raise ConfigError("model.args", f"holds {len(msg.model.args)} arguments; at most 100")
     for key, value in msg.model.args.items():
@@ -184,7 +186,27 @@ def check_run(msg: RunCreate | RunSpec) -> None:
     check_optimizer(msg.optimizer)
     check_schedule(msg.schedule)
     check_averaging(msg.averaging)
+    check_eval(msg)
     web_seed = msg.dataset.web_seed
     if web_seed is not None and not re.match(r"^https?://[^\s/]+", web_seed):
         raise ConfigError("dataset.web_seed", f"must be an http:// or https:// URL, got {web_seed[:80]!r}")
     check_manifest(msg.dataset.manifest)
+
+
+MAX_EVAL_SAMPLES = 1 << 16
+
+
+def check_eval(msg: RunCreate | RunSpec) -> None:
+    """A held-out split must leave chunks to train on; its evaluation must be bounded."""
+    spec = msg.eval
+    _int("eval.every", spec.every, 0)
+    if not spec.every:
+        return
+    _int("eval.samples", spec.samples, 1, MAX_EVAL_SAMPLES)
+    chunks = len(msg.dataset.manifest.chunks)
+    if not 1 <= spec.holdout_chunks < chunks:
+        raise ConfigError(
+            "eval.holdout_chunks",
+            f"must hold out 1 to {chunks - 1} of the data set's {chunks} chunks (the rest are trained on), "
+            f"got {spec.holdout_chunks}",
+        )

@@ -78,6 +78,7 @@ async def published_run(
     seeder_rate: int = 0,
     db: str = ":memory:",
     source: str | Path = "builtin:stdlib",
+    eval: dict[str, Any] | None = None,
 ) -> AsyncIterator[Published]:
     config = TrackerConfig(db=db, heartbeat_interval_s=0.2, peer_ttl_s=10.0, **(tracker or {}))
     async with serve(config) as running:
@@ -109,6 +110,7 @@ async def published_run(
                 "average_state_every": 0,
                 **(averaging or {}),
             },
+            **({"eval": eval} if eval is not None else {}),
         )
         async with TrackerClient(running.url, admin_token=running.admin_token) as client:
             spec = (await client.create_run(create)).spec

@@ -210,6 +210,27 @@ def test_cli_make_and_info(python, cli_env, tmp_path):
     assert f"info-hash  {made['infohash']}" in out.stdout
 
 
+def test_info_counts_tokens_of_a_tokens_data_set_and_samples_of_arrays(tmp_path):
+    """Issue 25: `dataset info` called a tokens data set's token count "samples"."""
+    from typer.testing import CliRunner
+
+    from crowdtrain.cli import app
+
+    np.save(tmp_path / "ids.npy", np.arange(5_000, dtype=np.uint16))
+    make_dataset(tmp_path / "ids.npy", tmp_path / "tok", chunk_bytes=4 * KiB)
+    np.savez(tmp_path / "xy.npz", x=np.zeros((300, 4), np.float32), y=np.zeros(300, np.int64))
+    make_dataset(tmp_path / "xy.npz", tmp_path / "arr", chunk_bytes=4 * KiB)
+    runner = CliRunner()
+    tokens = runner.invoke(app, ["dataset", "info", str(tmp_path / "tok")])
+    arrays = runner.invoke(app, ["dataset", "info", str(tmp_path / "arr")])
+    assert tokens.exit_code == arrays.exit_code == 0, (tokens.output, arrays.output)
+    assert "\ntokens     5000\n" in tokens.output + "\n" and "samples" not in tokens.output
+    assert "\nsamples    300\n" in arrays.output + "\n" and "tokens" not in arrays.output
+    # --json keeps the manifest's field names
+    as_json = json.loads(runner.invoke(app, ["dataset", "info", str(tmp_path / "tok"), "--json"]).output)
+    assert as_json["manifest"]["total_samples"] == 5000
+
+
 def test_cli_errors_are_sentences_with_exit_1(python, cli_env, tmp_path):
     out = run_cli(python, cli_env, "dataset", "make", str(tmp_path / "missing"), "--out", str(tmp_path / "o"))
     assert out.returncode == 1

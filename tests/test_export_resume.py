@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from crowdtrain.commands.export import export_state
+from crowdtrain.commands.export import export_info, export_state
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.models import get_recipe
@@ -24,6 +24,19 @@ def model_from_flat(spec, flat: np.ndarray) -> torch.nn.Module:
     trainer = Trainer(recipe, recipe.build(dict(spec.model.args)), spec.optimizer, spec.schedule)
     trainer.set_flat_params(flat)
     return trainer.model.eval()
+
+
+def test_model_json_holds_the_args_as_written_and_as_the_recipe_resolves_them():
+    """Issue 25: model.json held only the spec's args; a reader had to know the recipe's defaults."""
+    info = export_info("r-1", 7, "tiny-gpt", dict(TINY_GPT), "ab" * 32)
+    defaults = get_recipe("tiny-gpt").default_args
+    assert info["args"] == TINY_GPT  # as the run's spec writes them (what `join --init-from` compares)
+    assert set(info["resolved_args"]) == set(defaults) > set(TINY_GPT)
+    assert info["resolved_args"] == {**defaults, **TINY_GPT}
+    assert json.loads(json.dumps(info)) == info
+    # a recipe not installed here: the export still holds the weights and the args as written
+    elsewhere = export_info("r-1", 7, "someone-elses-recipe", {"width": 3}, "ab" * 32)
+    assert elsewhere["resolved_args"] is None and elsewhere["args"] == {"width": 3}
 
 
 @pytest.mark.timeout(300)
@@ -58,7 +71,9 @@ async def test_export_matches_a_live_volunteer_and_a_left_run_resumes_from_it(tm
         x = torch.arange(2 * TINY_GPT["seq_len"]).reshape(2, -1) % 256
         with torch.no_grad():
             torch.testing.assert_close(fresh(x), reference(x), rtol=0, atol=0)
-        assert json.loads(out.with_suffix(".json").read_text())["recipe"] == "tiny-gpt"
+        written = json.loads(out.with_suffix(".json").read_text())
+        assert written["recipe"] == "tiny-gpt" and written["args"] == dict(run.spec.model.args)
+        assert written["resolved_args"] == get_recipe("tiny-gpt").validate_args(run.spec.model.args)
 
         # Every volunteer left; the publisher resumes the run from the checkpoint.
         resumed = volunteer(1, init_from=out, max_steps=live.step + 2)

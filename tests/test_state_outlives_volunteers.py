@@ -114,7 +114,11 @@ async def test_a_run_that_lost_every_volunteer_waits_for_a_checkpoint_and_is_res
             run, tmp_path, 1, name="restorer", init_from=out, emit=[restorer_events], record=[restorer_rec]
         )
         restoring = asyncio.create_task(restorer.run())
-        await until(lambda: newcomer._applied > run_step + 1, 120, "the newcomer's steps after the restore")
+        await until(
+            lambda: len(set(waiting_rec.params) & set(restorer_rec.params)) >= 3,
+            120,
+            "the newcomer's steps after the restore",
+        )
         newcomer.stop()
         restorer.stop()
         await asyncio.wait_for(asyncio.gather(waiting, restoring), 60)

@@ -162,9 +162,12 @@ async def test_status_prints_progress_as_text_and_json(tracker, cli_env):
 @pytest.mark.slow  # imports torch twice (the CLI builds the recipe)
 async def test_run_create_computes_the_param_hash_when_the_spec_omits_it(tracker, tmp_path, cli_env):
     torch_recipes = pytest.importorskip("crowdtrain.volunteer.models.registry")
+    from crowdtrain.datasets.make import make_dataset
+    from crowdtrain.volunteer.models.preflight import initial_hash
     from crowdtrain.volunteer.models.recipe import param_hash
 
-    write_dataset(tmp_path / "data", tracker.announce_url)
+    # a real data set: `run create` runs one of its micro-batches through the recipe
+    make_dataset("builtin:stdlib", tmp_path / "data", chunk_bytes=64 * 1024, max_bytes=64 * 1024)
     recipe = torch_recipes.get_recipe("tiny-gpt")  # a tokens recipe, as the data set
     spec = tmp_path / "run.toml"
     spec.write_text(
@@ -184,6 +187,8 @@ async def test_run_create_computes_the_param_hash_when_the_spec_omits_it(tracker
     assert out.returncode == 0, out.stderr
     created = decode(out.stdout.strip(), RunCreated)
     assert created.spec.model.param_hash == param_hash(recipe.build({}))
+    assert created.spec.model.init_hash == initial_hash(recipe.build({}))
+    assert created.spec.model.args == recipe.validate_args({})  # the defaults, pinned in the spec
 
 
 def test_status_escapes_control_characters_a_tracker_of_an_earlier_version_stored():

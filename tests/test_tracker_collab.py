@@ -203,6 +203,23 @@ async def test_every_ready_answer_is_bounded_by_long_poll(client):
     assert (reply.status, reply.global_step) == ("wait", 0)
 
 
+async def test_rates_that_went_back_to_zero_give_no_eta_not_one_divided_by_float_dust(client):
+    """Issue 25: the run's rate is a running sum (each heartbeat takes the peer's old rate off and adds its
+    new one); 0.1 + 0.2 - 0.1 - 0.2 leaves 5.6e-17, and what was left of the step divided by it gave ETAs
+    like 2**47 s. Once no peer has a rate, the run has none, and no ETA."""
+    run_id = await new_run(client, target=100)
+    a, b = await joined(client, run_id, 2, reachable=False)
+    await a.heartbeat(0, 0, samples_per_s=0.1)
+    await b.heartbeat(0, 0, samples_per_s=0.2)
+    await a.heartbeat(0, 0, samples_per_s=0.0)
+    reply = await b.heartbeat(0, 0, samples_per_s=0.0)
+    assert reply.eta_s is None
+    status = await client.status(run_id)
+    assert (status.samples_per_s, status.eta_s) == (0.0, None)
+    await a.heartbeat(0, 0, samples_per_s=4.0)
+    assert (await client.status(run_id)).eta_s == pytest.approx(25.0)
+
+
 async def test_expired_peer_leaves_the_pending_set_and_the_round_forms(client):
     run_id = await new_run(client, target=20, gather_s=30.0)
     a, b = await joined(client, run_id, 2)

@@ -18,7 +18,7 @@ from rich.console import Console
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.view.demo import DemoRow, render_demo
-from crowdtrain.volunteer.view.fmt import fmt_bytes, fmt_duration, fmt_rate, fmt_ratio, fmt_uptime
+from crowdtrain.volunteer.view.fmt import fmt_bytes, fmt_duration, fmt_eta, fmt_rate, fmt_ratio, fmt_uptime
 from crowdtrain.volunteer.view.lines import (
     EVENT_TYPES,
     LineThrottle,
@@ -123,6 +123,7 @@ def script() -> list[ev.Event]:
             contributed_samples=96,
             group_samples=256,
             step_time_s=6.4,
+            loss=2.3141,
             compute_s=5.5,
             compute_share=0.87,
         ),
@@ -130,6 +131,9 @@ def script() -> list[ev.Event]:
         ev.RoundFailed(t=T0 + 31, round_id="rd-44", step=44, reason="group had 1 member"),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
         ev.StateServed(t=T0 + 33, step=41, content_hash="99aa88bb77cc66dd", size=8_000_000),
+        ev.Evaluated(
+            t=T0 + 33, step=40, loss=2.5012, metrics={"accuracy": 0.4375}, samples=256, duration_s=0.4
+        ),
         ev.Reachability(
             t=T0 + 33,
             address="127.0.0.1:40123",
@@ -190,6 +194,8 @@ def test_render_shows_each_panels_figures():
         "my share 38% (last 1 step)",
         "steps 1 done, 1 missed (48 dropped)",
         "lr 0.0003",
+        "held-out 2.5012 (step 40)",
+        "accuracy 0.4375",
         # data set
         "12/40",
         "down 1.2 MB/s (6.0 MB in all)",
@@ -338,6 +344,57 @@ def test_compute_share_in_the_plain_lines():
     assert json.loads(json_line(step_done(None)))["compute_share"] is None
 
 
+def test_the_step_line_shows_the_loss_of_the_step():
+    """Issue 25: the plain step line left out the loss the StepDone event carries."""
+    with_loss = dataclasses.replace(step_done(0.87), loss=2.31415)
+    assert ", loss 2.314, lr 0.001, " in plain_line(with_loss)
+    assert "loss" not in plain_line(step_done(0.87))  # a step that knows no loss says nothing of it
+    assert ", loss nan, " in plain_line(dataclasses.replace(with_loss, loss=math.nan))
+    assert parse_json_line(json_line(with_loss)) == with_loss
+
+
+def progress(eta_s: float | None, samples_per_s: float) -> ev.Progress:
+    return ev.Progress(
+        t=T0, global_step=3, samples=4, target=128, peers_online=2, samples_per_s=samples_per_s,
+        eta_s=eta_s, reachable=True,
+    )  # fmt: skip
+
+
+def test_absurd_etas_are_shown_as_unknown_and_durations_in_human_units():
+    """Issue 25: ETAs of 140737488355328.0 s (what is left of a step over a rate of float dust)."""
+    dust = 2.0**-45  # 0.1 + 0.2 - 0.1 - 0.2 and the like
+    assert fmt_eta(4 / dust, dust) == "—"
+    for absurd in (math.inf, math.nan, -1.0, 31 * 86_400.0, 2.0**47, None):
+        assert fmt_eta(absurd) == "—", absurd
+    assert fmt_eta(6.0, 0.0) == fmt_eta(6.0, 1e-12) == fmt_eta(6.0, math.nan) == "—"
+    assert fmt_eta(0.0, 0.0) == "0.00 s"  # the step is closed: nothing to wait for, whatever the rate
+    assert [fmt_eta(s, 40.1) for s in (4.0, 200, 7_500, 2 * 86_400 + 3 * 3600)] == [
+        "4.00 s", "3m 20s", "2h 05m", "2d 03h",
+    ]  # fmt: skip
+
+    line = plain_line(progress(4 / dust, dust))
+    assert "eta" not in line and "140737" not in line, line
+    assert plain_line(progress(4.0, 40.1)).endswith(", eta 4.00 s")
+    assert has(record(render(fold([progress(4 / dust, dust)]))), "next step in —")
+    assert has(record(render(fold([progress(200.0, 40.1)]))), "next step in 3m 20s")
+    sync = ev.StateSyncProgress(
+        t=T0, done_bytes=10, total_bytes=8_000_000, rate=dust, donors_active=1, eta_s=8e6 / dust
+    )
+    assert "eta" not in plain_line(sync)
+    from crowdtrain.commands.status import format_status
+    from crowdtrain.protocol.messages import RunStatus
+
+    def status_eta(eta_s: float | None, samples_per_s: float) -> str:
+        status = RunStatus(
+            run_id="r-1", name="demo", global_step=3, samples=4, target=128, peers_online=2,
+            samples_per_s=samples_per_s, eta_s=eta_s, peers=[], recent_steps=[],
+        )  # fmt: skip
+        return next(line for line in format_status(status).splitlines() if line.startswith("  eta "))
+
+    assert status_eta(4 / dust, dust) == status_eta(None, 0.0) == "  eta           —"
+    assert status_eta(200.0, 40.1) == "  eta           3m 20s"
+
+
 def test_compute_share_in_the_live_view():
     assert fold([]).compute_share is None
     assert has(record(render(fold([step_done(None)]))), "compute —")
@@ -456,6 +513,7 @@ def test_formats():
         "1h 02m",
         "—",
     ]
+    assert fmt_duration(2 * 86_400 + 3 * 3600 + 59) == "2d 03h"
     assert fmt_uptime(59.9) == "59s"
     assert fmt_ratio(7.5) == "7.5×"
     assert fmt_ratio(0.0) == "—"
@@ -488,7 +546,10 @@ def expected_plain() -> list[str]:
             "WARNING grad round rd-41 for step 41: 3 members, 1.50 s, sent 400 kB, received 410 kB, "
             "7.5× compression; dropped p-bob; clipped p-alice; failed parts 1",
         ),
-        (16, "step 41 done: 96/256 samples from this machine (38%), lr 0.0003, 6.40 s, compute 87%"),
+        (
+            16,
+            "step 41 done: 96/256 samples from this machine (38%), loss 2.314, lr 0.0003, 6.40 s, compute 87%",
+        ),
         (
             30,
             "WARNING missed step 42 (collaboration at 44); 48 samples dropped (computed on that step's parameters); fetching the state",
@@ -496,6 +557,7 @@ def expected_plain() -> list[str]:
         (31, "WARNING round rd-44 for step 44 failed: group had 1 member"),
         (32, "WARNING tracker answered slowly (2.1 s)"),
         (33, "serving state of step 41 (99aa88bb77cc, 8.0 MB)"),
+        (33, "held-out evaluation of step 40: loss 2.5012, accuracy 0.4375"),
         (
             33,
             "reachable for averaging at 127.0.0.1:40123; BitTorrent port 6881 is not reachable at "

@@ -72,11 +72,20 @@ KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer 
 # A peer's samples for a step may grow by SAMPLES_SLACK × its rate × the seconds since the step began for it
 # (plus two micro-batches): room for a rate that rose since it reported it, not for a number out of thin air.
 SAMPLES_SLACK = 4.0
+# Sums of rates are kept by adding and subtracting each peer's rate, which leaves float dust (e.g. 2**-45)
+# where the exact sum is 0: what is left of a step divided by it gave ETAs of 2**47 s. A sum of rates
+# below RATE_DUST (samples per second: one sample in 11 days) is that dust, and counts as 0.
+RATE_DUST = 1e-6
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
     "so no averaging group can be formed: the step waits and every volunteer keeps its gradients; one "
     "volunteer whose peer-server port others can connect to lets the run step (README: Across machines)"
 )
+
+
+def _settled(rate_sum: float) -> float:
+    """A running sum of rates, its float dust (below :data:`RATE_DUST`) put back to 0."""
+    return 0.0 if abs(rate_sum) < RATE_DUST else rate_sum
 
 
 @dataclass(slots=True)
@@ -110,6 +119,7 @@ class Peer:
     states: tuple[StateVersion, ...] = ()  # the snapshots it declared it serves, newest first
     refused_states: int = 0  # its state declarations the tracker refused
     donor_dropped: bool = False  # refused DONOR_STRIKES times: never listed as a donor again
+    evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
 
 class StateRefused(ValueError):
@@ -188,12 +198,12 @@ class RunState:
     def _count(self, peer: Peer, sign: int) -> None:
         """Add (``sign`` 1) or remove (-1) one peer's share of the aggregates."""
         r = peer.samples_per_s
-        self.rate_sum += sign * r
+        self.rate_sum = _settled(self.rate_sum + sign * r)
         at_step = peer.step == self.global_step
         if at_step and not peer.computing:  # done, catching up or holding no chunk: computes no more for it
-            self.idle_rate += sign * r
+            self.idle_rate = _settled(self.idle_rate + sign * r)
             if peer.samples > 0:  # done with it (delay 1: computing the next step ahead)
-                self.done_rate += sign * r
+                self.done_rate = _settled(self.done_rate + sign * r)
                 self.done_rated += sign * (r > 0)
         else:
             self.rated += sign * (r > 0)
@@ -380,7 +390,7 @@ class RunState:
     def eta_s(self) -> float | None:
         if self.closed_at is not None:
             return 0.0
-        if self.rate_sum <= 0:
+        if self.rate_sum < RATE_DUST:
             return None
         return max(0.0, (self.target - self.step_samples) / self.rate_sum)
 

@@ -71,6 +71,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
  <div class=card>peers online<b id=peers-online>–</b></div>
  <div class=card>samples/s<b id=rate>–</b></div>
  <div class=card>data set swarm<b id=swarm>–</b></div>
+ <div class=card>held-out<b id=held-out>–</b></div>
 </div>
 <h2>Training loss by step</h2>
 <svg id=loss width=640 height=200 viewBox="0 0 640 200"><polyline id=loss-line fill=none stroke="#3b7ddd"
@@ -82,6 +83,11 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <h2>Peers</h2>
 <table id=peers><thead><tr><th>peer</th><th>step</th><th>samples</th><th>rate</th><th>compute</th>
 <th>chunks</th><th>loss</th><th>averaging</th><th>bittorrent</th></tr></thead><tbody></tbody></table>
+<h2>Held-out evaluation (loss by evaluated step)</h2>
+<svg id=eval width=640 height=160 viewBox="0 0 640 160"><polyline id=eval-line fill=none stroke="#c0582b"
+ stroke-width=2 points="" data-points=0 /><text id=eval-label x=8 y=16 font-size=12 fill="#6a7385"></text></svg>
+<table id=evals><thead><tr><th>step</th><th>loss</th><th>metrics</th><th>volunteers</th></tr></thead>
+<tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>
 <th>loss</th></tr></thead><tbody></tbody></table>
@@ -150,6 +156,13 @@ async function refresh() {
     for (const s of steps.slice(-10).reverse()) {
       recent.appendChild(row([s.step, num(s.duration_s, 2) + " s", s.samples, s.peers, s.groups, num(s.loss, 3)]));
     }
+    const metrics = (e) => Object.keys(e.metrics).sort().map((k) => k + " " + num(e.metrics[k], 4)).join(", ");
+    const last = st.evals.length ? st.evals[0] : null;
+    text("held-out", last === null ? "–" : "loss " + num(last.loss, 3) + (metrics(last) ? ", " + metrics(last) : "")
+      + " (step " + last.step + ")");
+    curve("eval", hist.evals.map((e) => e.loss), 640, 160);
+    const evals = $("evals").tBodies[0]; evals.replaceChildren();
+    for (const e of st.evals) evals.appendChild(row([e.step, num(e.loss, 4), metrics(e) || "–", e.reports]));
     text("updated", new Date().toLocaleTimeString());
   } catch (e) { text("notice", "could not read the run's status (" + e.message + "); retrying"); }
 }

@@ -50,6 +50,7 @@ from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
     DatasetRegistration,
     ErrorBody,
+    EvalReport,
     Heartbeat,
     HeartbeatReply,
     JoinRequest,
@@ -429,6 +430,7 @@ class Tracker:
             target_batch_size=msg.target_batch_size,
             micro_batch_size=msg.micro_batch_size,
             averaging=msg.averaging,
+            eval=msg.eval,
             join_policy=msg.join_policy,
             tracker_public_key=self.public_key,
             seed=msg.seed,
@@ -508,7 +510,9 @@ class Tracker:
         """The newest closed steps (``?limit=``, at most HISTORY_POINTS), oldest first: the page's curves."""
         run = self._run(request)
         limit = _query_number(request, "limit", int, 1, HISTORY_POINTS, default=100)
-        return _json(StepHistory(steps=self.store.history(run.run_id, limit)[::-1]))
+        steps = self.store.history(run.run_id, limit)[::-1]
+        evals = self.store.evals(run.run_id, limit)[::-1]
+        return _json(StepHistory(steps=steps, evals=evals))
 
     # ------------------------------------------------------------ web pages
 
@@ -575,6 +579,7 @@ class Tracker:
                 closed_at=run.closed_at_time,
                 swarm_seeds=swarm.seeders if swarm else 0,
                 swarm_peers=len(swarm.peers) if swarm else 0,
+                evals=self.store.evals(run.run_id),
             )
         )
 
@@ -646,8 +651,13 @@ class Tracker:
             peer = Peer(peer_id=hb.peer_id, public_key=public_key, address=None)
             run.add(peer)
             log.info("peer %s re-registered in run %s by its heartbeat", peer.peer_id, run.run_id)
+        if hb.eval is not None:
+            self._check_eval(run, hb.eval)  # (before anything of the heartbeat is taken)
         self.checker.update(run, peer, address, hb.bt_port, request.remote or "")
         run.heartbeat(peer, hb)
+        if hb.eval is not None and hb.eval.step > peer.evaluated:  # (a retried heartbeat: counted once)
+            peer.evaluated = hb.eval.step
+            self.store.add_eval(run.run_id, hb.eval)
         return _json(
             HeartbeatReply(
                 global_step=run.global_step,
@@ -667,6 +677,20 @@ class Tracker:
                 ahead_share=peer.ahead_share,
             )
         )
+
+    @staticmethod
+    def _check_eval(run: RunState, report: EvalReport) -> None:
+        """A report of a step the run has taken and its spec evaluates, with finite numbers."""
+        every = run.spec.eval.every
+        if not every or report.step % every or not 0 < report.step <= run.global_step:
+            raise ApiError(
+                400,
+                f"an evaluation of step {report.step} is not one this run asks for (every {every} steps, "
+                f"up to step {run.global_step})",
+            )
+        values = [report.loss, *report.metrics.values()]
+        if not all(math.isfinite(v) for v in values):
+            raise ApiError(400, "an evaluation's loss and metrics must be finite numbers")
 
     async def ready(self, request: web.Request) -> web.Response:
         run, msg, _ = await self._signed(request, ReadyRequest)

@@ -8,12 +8,13 @@ nothing that was committed.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from crowdtrain.protocol.messages import RunSpec, StepRecord, decode, encode
+from crowdtrain.protocol.messages import EvalRecord, EvalReport, RunSpec, StepRecord, decode, encode
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -26,6 +27,9 @@ CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
     loss REAL, PRIMARY KEY (run_id, step));
+CREATE TABLE IF NOT EXISTS evals (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL NOT NULL, metrics TEXT NOT NULL,
+    reports INTEGER NOT NULL, PRIMARY KEY (run_id, step));
 """
 
 
@@ -117,6 +121,7 @@ class Store:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM steps WHERE run_id = ?", (run_id,))
+            self._db.execute("DELETE FROM evals WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
 
     def close_step(self, run_id: str, record: StepRecord) -> None:
@@ -151,3 +156,39 @@ class Store:
             StepRecord(step=s, closed_at=c, duration_s=d, samples=n, peers=p, groups=g, seed=seed, loss=loss)
             for s, c, d, n, p, g, seed, loss in rows
         ]
+
+    # ------------------------------------------------------------ held-out evaluations
+
+    def add_eval(self, run_id: str, report: EvalReport) -> EvalRecord:
+        """Fold one volunteer's report into the mean of its step's reports (metrics named by every report
+        so far; the rest are dropped), and return the step's record."""
+        with self._db:
+            self._db.execute("BEGIN")
+            row = self._db.execute(
+                "SELECT loss, metrics, reports FROM evals WHERE run_id = ? AND step = ?",
+                (run_id, report.step),
+            ).fetchone()
+            if row is None:
+                loss, metrics, n = report.loss, dict(report.metrics), 1
+            else:
+                old_loss, old_metrics, k = row[0], json.loads(row[1]), row[2]
+                n = k + 1
+                loss = old_loss + (report.loss - old_loss) / n
+                metrics = {
+                    name: value + (report.metrics[name] - value) / n
+                    for name, value in old_metrics.items()
+                    if name in report.metrics
+                }
+            self._db.execute(
+                "INSERT OR REPLACE INTO evals (run_id, step, loss, metrics, reports) VALUES (?, ?, ?, ?, ?)",
+                (run_id, report.step, loss, json.dumps(metrics, sort_keys=True), n),
+            )
+        return EvalRecord(step=report.step, loss=loss, metrics=metrics, reports=n)
+
+    def evals(self, run_id: str, limit: int = 10) -> list[EvalRecord]:
+        """The newest ``limit`` evaluations, newest first."""
+        rows = self._db.execute(
+            "SELECT step, loss, metrics, reports FROM evals WHERE run_id = ? ORDER BY step DESC LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [EvalRecord(step=st, loss=lo, metrics=json.loads(m), reports=n) for st, lo, m, n in rows]

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import shutil
 import time
 from collections import deque
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from crowdtrain import __version__
-from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.datasets.sampler import Batch, Sampler
 from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
 from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.client import TrackerClient
@@ -49,6 +50,7 @@ from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import (
     AveragingError,
     CrowdtrainError,
+    DatasetError,
     ProtocolError,
     RecipeError,
     StateSyncError,
@@ -57,6 +59,7 @@ from crowdtrain.protocol.errors import (
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
     DonorList,
+    EvalReport,
     GroupAssignment,
     Heartbeat,
     HeartbeatReply,
@@ -72,7 +75,8 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager, part_bounds
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
-from crowdtrain.volunteer.models import check_param_hash, get_recipe
+from crowdtrain.volunteer.models import check_param_hash, get_recipe, preflight
+from crowdtrain.volunteer.models.origin import check_origin
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.serve import StateServer
@@ -267,6 +271,14 @@ class Volunteer:
         self.step = 0  # the global step this peer accumulates for
         self.trainer: Trainer | None = None
         self.sampler: Sampler | None = None
+        # the recipe's whole argument set (the spec's, defaults filled in)
+        self.model_args: dict[str, int | float | str | bool] = {}
+        self._data_error: DatasetError | None = None  # a verified chunk the sampler refused
+        # the run's held-out split (spec.eval): its chunks feed the evaluation sampler, never training
+        self._holdout: frozenset[int] = frozenset()
+        self._eval_sampler: Sampler | None = None
+        self._eval_batch: Batch | None = None  # drawn once every held-out chunk is held: the same everywhere
+        self._eval_report: EvalReport | None = None  # the newest, sent with every heartbeat
         self._reply: HeartbeatReply | None = None
         self._reply_changed = asyncio.Event()
         self._heartbeat_now = asyncio.Event()  # set: send the next heartbeat now
@@ -367,8 +379,11 @@ class Volunteer:
             check_run(spec)  # a run no volunteer can run is refused here with the field's name
             self.spec = spec
             recipe = get_recipe(spec.model.recipe)
-            model = await asyncio.to_thread(recipe.build, dict(spec.model.args))
+            check_origin(spec.model.recipe, recipe, spec.model.package, spec.model.code_hash)
+            self.model_args = preflight.resolved_args(recipe, spec.model.args)
+            model = await asyncio.to_thread(preflight.build, recipe, self.model_args)
             check_param_hash(model, spec.model.param_hash)
+            await asyncio.to_thread(preflight.check_initial_hash, recipe, model, spec.model.init_hash)
             if cfg.init_from is not None:
                 self._init_step = await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
             device = str(resolve_device(cfg.device))  # "cpu", "cuda", "cuda:1"
@@ -453,8 +468,19 @@ class Volunteer:
                     manifest,
                     cfg.data_dir,
                     seed=self.sampler_seed,
-                    seq_len=spec.model.args.get("seq_len"),  # type: ignore[arg-type]
+                    seq_len=preflight.window(recipe, self.model_args),
+                    vocab=preflight.vocab_of(recipe, self.model_args),
                 )
+                if spec.eval.every:
+                    n = len(manifest.chunks)
+                    self._holdout = frozenset(range(n - spec.eval.holdout_chunks, n))
+                    self._eval_sampler = Sampler(
+                        manifest,
+                        cfg.data_dir,
+                        seed=spec.seed,  # the run's: every volunteer draws the same held-out samples
+                        seq_len=preflight.window(recipe, self.model_args),
+                        vocab=preflight.vocab_of(recipe, self.model_args),
+                    )
                 self.emit(
                     ev.Joined(
                         run_id=cfg.run_id,
@@ -549,7 +575,16 @@ class Volunteer:
         manifest = self.spec.dataset.manifest
 
         def on_chunk(chunk) -> None:
-            self.sampler.add_chunk(chunk.index)
+            try:
+                if chunk.index in self._holdout:
+                    self._eval_sampler.add_chunk(chunk.index)
+                    if self._eval_sampler.held == self._holdout and self._eval_sampler.ready:
+                        self._eval_batch = self._eval_sampler.batch(self.spec.eval.samples)
+                else:
+                    self.sampler.add_chunk(chunk.index)
+            except DatasetError as exc:  # (called by the torrent session's alert loop: not raised there)
+                self._data_error = self._data_error or exc  # a chunk the run's model cannot take: the train
+                return  # loop ends the volunteer with this sentence
             self._chunks_held += 1
             self.emit(
                 ev.ChunkVerified(
@@ -611,6 +646,7 @@ class Volunteer:
                 loss=self._loss_ema if self._pending_state is None else None,
                 bt_port=self._bt_port(),
                 compute_share=self._compute_share(),
+                eval=self._eval_report,
             ),
             self.key,
             self.credential,
@@ -747,6 +783,8 @@ class Volunteer:
         last_report = 0.0
         phase = ""
         while not self._stop.is_set():
+            if self._data_error is not None:
+                raise self._data_error
             if cfg.max_steps is not None and self.step >= cfg.max_steps:
                 break
             if self._pending_state is not None and self._pending_state.done() and self._round_settled():
@@ -1054,6 +1092,32 @@ class Volunteer:
             )
         )
         self._schedule_snapshot()
+        every = self.spec.eval.every
+        if every and self._applied % every == 0 and self._eval_batch is not None:
+            await self._evaluate(self._applied)
+
+    async def _evaluate(self, step: int) -> None:
+        """Evaluate the state after ``step`` steps on the held-out samples; the next heartbeats report it."""
+        self._phase("evaluating")
+        started = time.monotonic()
+        batch = self._eval_batch
+        loss, metrics = await asyncio.to_thread(
+            self.trainer.evaluate_with_metrics, batch.x, batch.y, self.spec.micro_batch_size
+        )
+        if not math.isfinite(loss):
+            self._note(logging.WARNING, "the held-out loss of step %d is %s; not reported", step, loss)
+            return
+        self._eval_report = EvalReport(step=step, loss=loss, metrics=metrics, samples=len(batch))
+        self.emit(
+            ev.Evaluated(
+                step=step,
+                loss=loss,
+                metrics=metrics,
+                samples=len(batch),
+                duration_s=time.monotonic() - started,
+            )
+        )
+        self._heartbeat_now.set()
 
     async def _allreduce_phases(
         self, phases: list[GroupAssignment], vector: np.ndarray, tag: str, *, reuse: bool

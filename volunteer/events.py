@@ -80,7 +80,7 @@ class RunNotice(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseChanged(Event):
-    phase: str  # "downloading", "catching-up", "waiting-for-state" (no peer serves the run's state), "training", "waiting-for-step" (its share of the step is computed), "waiting-for-group", "averaging", "stepping", "leaving"
+    phase: str  # "downloading", "catching-up", "waiting-for-state" (no peer serves the run's state), "training", "waiting-for-step" (its share of the step is computed), "waiting-for-group", "averaging", "stepping", "evaluating" (the held-out split, every eval.every steps), "leaving"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +97,17 @@ class StepDone(Event):
     # share of its wall time since its first micro-batch spent computing gradients that entered an average
     compute_share: float | None = None
     delayed: bool = False  # applied one step late (the run's ``averaging.delay`` is 1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluated(Event):
+    """The state after ``step`` steps, evaluated on the run's held-out samples (its spec's ``eval``)."""
+
+    step: int
+    loss: float  # mean over the samples
+    metrics: dict[str, float]  # the recipe's, e.g. {"accuracy": 0.93}
+    samples: int
+    duration_s: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from crowdtrain.protocol.codecs import INT8_BLOCK
-from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError, StateSyncError
+from crowdtrain.protocol.errors import (
+    AveragingError,
+    ConfigError,
+    CrowdtrainError,
+    RecipeError,
+    StateSyncError,
+)
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.protocol.runcheck import check_optimizer
 from crowdtrain.volunteer.models.recipe import Recipe
@@ -187,9 +193,19 @@ class Trainer:
             self._consumed = False
         self.model.train()
         xt, yt = self._to_device(x), self._to_device(y)
-        with self._autocast():
-            loss = self.recipe.loss(self.model, xt, yt)
-        (loss * n).backward()  # sum of the per-sample losses: the buffer adds n_b · g_b
+        try:
+            with self._autocast():
+                loss = self.recipe.loss(self.model, xt, yt)
+            (loss * n).backward()  # sum of the per-sample losses: the buffer adds n_b · g_b
+        except (CrowdtrainError, torch.OutOfMemoryError):
+            raise
+        except (
+            Exception
+        ) as exc:  # the recipe's own code on this run's samples: one sentence, not its traceback
+            raise RecipeError(
+                f"Recipe {self.recipe.name!r} fails on a micro-batch of this run's data set (x {tuple(x.shape)} "
+                f"{x.dtype}, y {tuple(y.shape)} {y.dtype}): {type(exc).__name__}: {exc}; tell the run's publisher."
+            ) from None
         self._samples += n
         return float(loss.detach()), n  # sync: .item() waits for the GPU to finish this micro-batch
 
@@ -387,6 +403,36 @@ class Trainer:
         with self._autocast():
             loss = self.recipe.loss(self.model, self._to_device(x), self._to_device(y))
         return float(loss)  # sync
+
+    @torch.no_grad()
+    def evaluate_with_metrics(self, x: Any, y: Any, micro: int) -> tuple[float, dict[str, float]]:
+        """Mean loss and the recipe's metrics (its optional ``metrics(model, x, y)``) over a held-out batch,
+        ``micro`` samples at a time, each micro-batch weighted by its samples. Metrics a micro-batch does not
+        give, or gives as a non-finite number, are left out."""
+        self.model.eval()
+        metrics_fn = getattr(self.recipe, "metrics", None)
+        total, loss_sum, sums = 0, 0.0, {}
+        try:
+            for start in range(0, int(x.shape[0]), micro):
+                xb, yb = self._to_device(x[start : start + micro]), self._to_device(y[start : start + micro])
+                n = int(xb.shape[0])
+                with self._autocast():
+                    loss_sum += float(self.recipe.loss(self.model, xb, yb)) * n
+                    got = dict(metrics_fn(self.model, xb, yb)) if metrics_fn is not None else {}
+                for name, value in got.items():
+                    sums[name] = sums.get(name, 0.0) + float(value) * n
+                total += n
+        except (CrowdtrainError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # the recipe's own code on the held-out samples: one sentence
+            raise RecipeError(
+                f"Recipe {self.recipe.name!r} fails on the run's held-out samples: {type(exc).__name__}: {exc}; "
+                "tell the run's publisher."
+            ) from None
+        finally:
+            self.model.train()
+        metrics = {k: v / total for k, v in sums.items() if math.isfinite(v)}
+        return loss_sum / max(total, 1), metrics
 
 
 def _copy_tensors(obj: Any) -> Any:

@@ -44,6 +44,11 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _counted(kind: str) -> str:
+    """What a manifest's ``total_samples`` counts: tokens for a tokens data set, samples for arrays."""
+    return "tokens" if kind == "tokens" else "samples"
+
+
 @app.command("make")
 def make(
     ctx: typer.Context,
@@ -95,7 +100,7 @@ def make(
         return
     typer.echo(
         f"made data set {manifest.name!r}: {len(manifest.chunks)} chunks, {manifest.total_samples} "
-        f"{'tokens' if manifest.kind == 'tokens' else 'samples'}, {_human(info.total_bytes)}\n"
+        f"{_counted(manifest.kind)}, {_human(info.total_bytes)}\n"
         f"  info-hash {info.infohash}\n  torrent   {info.torrent_path}"
     )
 
@@ -126,7 +131,8 @@ def info(
         lines += [
             f"kind       {m.kind} ({layout})",
             f"chunks     {len(m.chunks)} of up to {_human(m.chunk_bytes)}",
-            f"samples    {m.total_samples}",
+            # a tokens data set's total_samples counts tokens (a sample is cut from them by the recipe)
+            f"{_counted(m.kind):<10} {m.total_samples}",
         ]
     typer.echo("\n".join(lines))
 

@@ -14,6 +14,34 @@ from crowdtrain.protocol.errors import ConfigError, StateSyncError
 KEEPER_POLL_S = 2.0  # how often a keeper (--every) asks whether the state moved on
 
 
+def resolved_args(recipe: str, args: dict) -> dict | None:
+    """The recipe's full argument set for ``args`` (its ``validate_args``: every default filled in), or
+    None where it cannot be known here: the recipe is not installed on this machine, or refuses ``args``
+    (the weights are worth keeping all the same)."""
+    from crowdtrain.protocol.errors import RecipeError
+    from crowdtrain.volunteer.models.registry import get_recipe
+
+    try:
+        return dict(get_recipe(recipe).validate_args(args))
+    except RecipeError:
+        return None
+
+
+def export_info(run_id: str, step: int, recipe: str, args: dict, content_hash: str) -> dict:
+    """What ``model.json`` (and the weights' metadata) says of an export: the run, its global step, the
+    recipe with its args as the run's spec writes them (``args``, what ``join --init-from`` compares) and
+    as the recipe resolves them (``resolved_args``, the defaults filled in; None where the recipe is not
+    installed here), and the state's content hash."""
+    return {
+        "run_id": run_id,
+        "step": step,
+        "recipe": recipe,
+        "args": dict(args),
+        "resolved_args": resolved_args(recipe, args),
+        "content_hash": content_hash,
+    }
+
+
 async def export_state(run_id: str, tracker_url: str, out: Path, token: str | None, timeout_s: float) -> dict:
     """Fetch the newest state like a newcomer (several donors, verified ranges) and write its weights."""
     import asyncio
@@ -61,13 +89,7 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
         finally:
             await tracker.leave(run_id, LeaveRequest(peer_id=join.peer_id), key, join.credential)
     loaded = await asyncio.to_thread(load_snapshot, data)
-    info = {
-        "run_id": run_id,
-        "step": loaded.step,
-        "recipe": loaded.recipe,
-        "args": loaded.args,
-        "content_hash": donors.state.content_hash,
-    }
+    info = export_info(run_id, loaded.step, loaded.recipe, loaded.args, donors.state.content_hash)
     out.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"crowdtrain": json.dumps(info, sort_keys=True)}
     # written beside, then moved in place: a keeper's previous checkpoint stays whole until the new one is
@@ -145,6 +167,12 @@ def export(
         run_async(keep_exporting(run_id, tracker.rstrip("/"), out, token, timeout, every, say))
         return
     info = run_async(export_state(run_id, tracker.rstrip("/"), out, token, timeout))
+    if info["resolved_args"] is None:
+        typer.echo(
+            f"note: recipe {info['recipe']!r} is not installed here (or refuses the run's args), so "
+            f"{out.with_suffix('.json')} holds its args as the run's spec writes them, without its defaults",
+            err=True,
+        )
     if wants_json(ctx, json_out):
         typer.echo(json.dumps({**info, "out": str(out)}))
     else:

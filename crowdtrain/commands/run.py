@@ -10,7 +10,8 @@ import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
-from crowdtrain.publisher import param_hash_of, read_dataset
+from crowdtrain.protocol.runcheck import MAX_MICRO_BATCH
+from crowdtrain.publisher import preflight, read_dataset
 
 app = typer.Typer(help="Publish and inspect training runs on a tracker.", no_args_is_help=True)
 
@@ -33,12 +34,16 @@ def load_spec(path: Path):  # -> RunCreate
         raise ConfigError("SPEC", f"{path} is not valid TOML ({exc})") from None
     if not isinstance(doc.get("dataset"), dict):
         raise ConfigError("dataset", f"{path} needs a [dataset] table with dir = the data-set folder")
+    folder = path.parent / str(doc["dataset"].get("dir"))
     dataset, torrent = read_dataset(doc["dataset"], path.parent)
     doc["dataset"] = dataset
     doc["torrent"] = base64.b64encode(torrent).decode()
     model = doc.get("model")
     if isinstance(model, dict) and not model.get("param_hash"):
-        model["param_hash"] = param_hash_of(model, dataset["manifest"]["kind"])
+        micro = doc.get("micro_batch_size", 8)
+        if isinstance(micro, bool) or not isinstance(micro, int) or not 1 <= micro <= MAX_MICRO_BATCH:
+            raise ConfigError("micro_batch_size", f"must be a whole number from 1 to {MAX_MICRO_BATCH}")
+        doc["model"] = preflight(model, folder.resolve(), dataset["manifest"], micro)
     try:
         return convert(doc, RunCreate)
     except ProtocolError as exc:

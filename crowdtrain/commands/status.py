@@ -8,7 +8,7 @@ import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.runcheck import printable
-from crowdtrain.volunteer.view.fmt import fmt_percent
+from crowdtrain.volunteer.view.fmt import fmt_eta, fmt_percent
 
 
 def _rate(x: float) -> str:
@@ -32,7 +32,7 @@ def format_status(status) -> str:  # status: RunStatus
         f"run {status.run_id} ({printable(status.name)})",
         f"  global step   {status.global_step}",
         f"  samples       {status.samples:,} / {status.target:,} ({100 * status.samples / max(status.target, 1):.0f} %)",
-        f"  eta           {'-' if status.eta_s is None else f'{status.eta_s:.1f} s'}",
+        f"  eta           {fmt_eta(status.eta_s, status.samples_per_s)}",
         f"  peers online  {status.peers_online}",
         f"  throughput    {_rate(status.samples_per_s)} samples",
     ]
@@ -60,6 +60,12 @@ def format_status(status) -> str:  # status: RunStatus
                 f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6}"
                 f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
             )
+    if status.evals:
+        lines.append("  held-out evaluations:")
+        for e in status.evals:
+            metrics = "".join(f", {printable(k)} {v:.4g}" for k, v in sorted(e.metrics.items()))
+            voices = f"{e.reports} volunteer" + ("s" if e.reports != 1 else "")
+            lines.append(f"    step {e.step:>6}  loss {e.loss:.4f}{metrics}  ({voices})")
     return "\n".join(lines)
 
 
@@ -71,7 +77,7 @@ def status(
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker."),
 ) -> None:
     """Show a run's global step, samples toward the target, peers online, their throughput and compute
-    share, recent steps."""
+    share, recent steps and held-out evaluations."""
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.messages import encode
 

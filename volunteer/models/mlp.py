@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from crowdtrain.volunteer.models.recipe import Arg, ArgValue, TableRecipe, uniform
+from crowdtrain.volunteer.models.recipe import Arg, ArgValue, TableRecipe, accuracy, uniform
 
 MLP_ARGS = {
     "in_features": Arg(int, 32, "values per sample (the product of the data set's sample_shape)", min=1),
@@ -109,6 +109,10 @@ class MLPRecipe(TableRecipe):
         if model.task == "classification":
             return F.cross_entropy(out.float(), y.reshape(-1).long())
         return F.mse_loss(out.float(), y.reshape(out.shape).float())
+
+    def metrics(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Classification: the share of samples whose argmax is their class (reported on a held-out split)."""
+        return accuracy(model, x, y) if model.task == "classification" else {}
 
 
 MLP = MLPRecipe()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -31,7 +31,9 @@ class Recipe(Protocol):
     """A model recipe. Third-party recipes registered under ``crowdtrain.models`` provide these members.
 
     ``build`` and ``validate_args`` take the run spec's args (missing keys take ``default_args``);
-    ``loss(model, x, y)`` returns the *mean* loss over the micro-batch's samples (a 0-d tensor).
+    ``loss(model, x, y)`` returns the *mean* loss over the micro-batch's samples (a 0-d tensor). A recipe
+    may also have ``metrics(model, x, y) -> dict[str, float]`` (means over the batch, e.g. accuracy), which
+    volunteers report on the run's held-out split (docs/recipes.md).
     """
 
     name: str
@@ -81,6 +83,16 @@ class Arg:
         return value
 
 
+def check_table(recipe: str, table: Mapping[str, Arg], args: Mapping[str, Any]) -> dict[str, ArgValue]:
+    """``args`` checked against ``table``: no unknown names, each value of its type and range, defaults filled."""
+    unknown = sorted(set(args) - set(table))
+    if unknown:
+        raise RecipeError(
+            f"Recipe {recipe!r} has no argument {', '.join(map(repr, unknown))}; its arguments are {', '.join(table)}."
+        )
+    return {k: a.check(recipe, k, args.get(k, a.default)) for k, a in table.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class TableRecipe:
     """A recipe whose arguments are described by a table of :class:`Arg` (what the built-ins use).
@@ -99,13 +111,7 @@ class TableRecipe:
         return {k: a.default for k, a in self.table.items()}
 
     def validate_args(self, args: Mapping[str, Any]) -> dict[str, ArgValue]:
-        unknown = sorted(set(args) - set(self.table))
-        if unknown:
-            raise RecipeError(
-                f"Recipe {self.name!r} has no argument {', '.join(map(repr, unknown))}; "
-                f"its arguments are {', '.join(self.table)}."
-            )
-        out = {k: a.check(self.name, k, args.get(k, a.default)) for k, a in self.table.items()}
+        out = check_table(self.name, self.table, args)
         self._check(out)
         return out
 
@@ -148,6 +154,131 @@ class TableRecipe:
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """Metrics beside the loss on a held-out batch (``{}``: none); see :func:`accuracy`."""
+        return {}
+
+
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+MetricsFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], Mapping[str, float]]
+SEED = Arg(int, 0, "seed of the initial parameters", min=0, max=2**63 - 1)
+
+
+def cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)`` against class ids ``y``: logits ``(B, C)`` with ``y`` of shape
+    ``(B,)``, or per-token logits ``(B, T, V)`` with ``y`` of shape ``(B, T)``."""
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1).long()
+    )
+
+
+def mse(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of ``model(x)`` against ``y`` (cast to float32, shaped like the output)."""
+    out = model(x).float()
+    return torch.nn.functional.mse_loss(out, y.float().reshape(out.shape))
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """``{"accuracy": share of argmax predictions equal to y}`` (per sample, or per token)."""
+    logits = model(x)
+    hits = logits.reshape(-1, logits.shape[-1]).argmax(-1) == y.reshape(-1).long()
+    return {"accuracy": float(hits.float().mean())}
+
+
+LOSSES: dict[str, LossFn] = {"cross_entropy": cross_entropy, "mse": mse}
+METRICS: dict[str, MetricsFn] = {"accuracy": accuracy}
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleRecipe:
+    """A recipe around an existing ``nn.Module`` class or factory (what :func:`wrap` returns).
+
+    ``build`` calls ``make(**args)`` (every argument but ``seed``) inside a forked global RNG seeded by
+    ``seed``, so the module's own default initialisation gives every volunteer the same values; the model is
+    float32 on the CPU.
+    """
+
+    name: str
+    kind: Kind
+    make: Callable[..., torch.nn.Module]
+    loss_fn: LossFn
+    table: Mapping[str, Arg]
+    metrics_fn: MetricsFn | None = None
+
+    @property
+    def default_args(self) -> dict[str, ArgValue]:
+        return {k: a.default for k, a in self.table.items()}
+
+    def validate_args(self, args: Mapping[str, Any]) -> dict[str, ArgValue]:
+        return check_table(self.name, self.table, args)
+
+    def build(self, args: Mapping[str, Any]) -> torch.nn.Module:
+        full = self.validate_args(args)
+        kwargs = {k: v for k, v in full.items() if k != "seed"}
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
+            torch.manual_seed(int(full["seed"]))
+            model = self.make(**kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise RecipeError(
+                f"Recipe {self.name!r}: make(**args) returned {type(model).__name__}, not an nn.Module."
+            )
+        model = model.to(device="cpu", dtype=torch.float32)
+        model.crowdtrain_recipe = self.name
+        model.crowdtrain_args = full
+        return model
+
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(model, x, y)
+
+    def metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        return dict(self.metrics_fn(model, x, y)) if self.metrics_fn is not None else {}
+
+
+def wrap(
+    name: str,
+    kind: Kind,
+    make: Callable[..., torch.nn.Module],
+    *,
+    loss: str | LossFn = "cross_entropy",
+    args: Mapping[str, ArgValue | Arg] | None = None,
+    metrics: str | MetricsFn | None = None,
+) -> ModuleRecipe:
+    """A recipe for an existing module: ``wrap("my-cnn", "arrays", MyCNN, args={"width": 32})``.
+
+    ``make`` is the module class (or any function returning a module), called with the run spec's arguments
+    as keywords. ``args`` maps each argument to its default (its type is the default's type) or to an
+    :class:`Arg` with a range; a ``seed`` argument is added when absent. ``loss`` is ``"cross_entropy"``
+    (logits against class or token ids), ``"mse"``, or a function ``loss(model, x, y)`` returning the mean loss.
+    ``metrics`` is ``"accuracy"`` or a function ``metrics(model, x, y)`` returning ``{name: float}``, reported
+    on the run's held-out split.
+    """
+    if kind not in ("tokens", "arrays"):
+        raise RecipeError(f"Recipe {name!r}: kind must be 'tokens' or 'arrays', got {kind!r}.")
+    table: dict[str, Arg] = {}
+    for key, value in (args or {}).items():
+        if isinstance(value, Arg):
+            table[key] = value
+        elif isinstance(value, bool | int | float | str):
+            table[key] = Arg(type(value), value, f"argument of {getattr(make, '__name__', 'make')}")
+        else:
+            raise RecipeError(
+                f"Recipe {name!r}: the default of argument {key!r} must be a bool, int, float or str."
+            )
+    table.setdefault("seed", SEED)
+    loss_fn = LOSSES.get(loss) if isinstance(loss, str) else loss
+    if loss_fn is None:
+        raise RecipeError(
+            f"Recipe {name!r}: loss {loss!r} is not one of {', '.join(LOSSES)} (or a function)."
+        )
+    metrics_fn = METRICS.get(metrics) if isinstance(metrics, str) else metrics
+    if isinstance(metrics, str) and metrics_fn is None:
+        raise RecipeError(
+            f"Recipe {name!r}: metrics {metrics!r} is not one of {', '.join(METRICS)} (or a function)."
+        )
+    return ModuleRecipe(name=name, kind=kind, make=make, loss_fn=loss_fn, table=table, metrics_fn=metrics_fn)
 
 
 def normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:

@@ -12,6 +12,7 @@ taken over by an installed package: the built-ins are looked up first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from crowdtrain.protocol.errors import RecipeError
@@ -42,6 +43,43 @@ def get_recipe(name: str) -> Recipe:
     raise RecipeError(
         f"No model recipe named {name!r} is installed; known recipes: {', '.join(known_recipes())}. "
         f"Install the package that provides {name!r} (it registers in the {GROUP!r} entry-point group)."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RecipeSource:
+    """Where an installed recipe comes from: crowdtrain itself, or an entry point of an installed package."""
+
+    name: str
+    builtin: bool
+    distribution: str | None = None  # the installed package providing it, e.g. "crowdtrain-example-recipes"
+    version: str | None = None  # that package's version
+    entry_point: str | None = None  # "module:attribute"
+
+    def __str__(self) -> str:
+        if self.builtin:
+            return "built-in"
+        if self.distribution:
+            return f"{self.distribution} {self.version}" if self.version else self.distribution
+        return f"entry point {self.entry_point}"
+
+
+def recipe_source(name: str) -> RecipeSource:
+    """Where the recipe :func:`get_recipe` would load for ``name`` comes from (without loading it)."""
+    if name in BUILTINS:
+        return RecipeSource(name, builtin=True)
+    for ep in entry_points(group=GROUP):
+        if ep.name == name:
+            dist = getattr(ep, "dist", None)  # None for an entry point not read from installed metadata
+            return RecipeSource(
+                name,
+                builtin=False,
+                distribution=dist.name if dist is not None else None,
+                version=dist.version if dist is not None else None,
+                entry_point=ep.value,
+            )
+    raise RecipeError(
+        f"No model recipe named {name!r} is installed; known recipes: {', '.join(known_recipes())}."
     )
 
 

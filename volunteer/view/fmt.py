@@ -1,4 +1,4 @@
-"""Number formats shared by the panels and the plain lines: bytes, rates, durations, ratios."""
+"""Number formats shared by the panels and the plain lines: bytes, rates, durations, ETAs, ratios."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import math
 
 _UNITS = ("B", "kB", "MB", "GB", "TB", "PB")
 MISSING = "—"
+DAY_S = 86_400
+MAX_ETA_S = 30 * DAY_S  # an ETA beyond this says nothing a person can use: shown as unknown
+MIN_RATE = 1e-6  # per second (samples, bytes): below it a rate is float dust, not progress
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -33,7 +36,7 @@ def fmt_rate(bytes_per_s: float | None) -> str:
 
 
 def fmt_duration(seconds: float | None) -> str:
-    """``0.25 s``, ``12.5 s``, ``3m 05s``, ``1h 02m``."""
+    """``0.25 s``, ``12.5 s``, ``3m 05s``, ``1h 02m``, ``2d 03h``."""
     if seconds is None or not math.isfinite(seconds):
         return MISSING
     s = max(0.0, float(seconds))
@@ -44,7 +47,20 @@ def fmt_duration(seconds: float | None) -> str:
     whole = int(s)
     if whole < 3600:
         return f"{whole // 60}m {whole % 60:02d}s"
-    return f"{whole // 3600}h {(whole % 3600) // 60:02d}m"
+    if whole < DAY_S:
+        return f"{whole // 3600}h {(whole % 3600) // 60:02d}m"
+    return f"{whole // DAY_S}d {(whole % DAY_S) // 3600:02d}h"
+
+
+def fmt_eta(seconds: float | None, rate: float | None = None) -> str:
+    """A time still to wait, as :func:`fmt_duration`; ``—`` when it is unknown or absurd: none, not
+    finite, negative, over :data:`MAX_ETA_S`, or (above zero) worked out from a ``rate`` of about nothing
+    (below :data:`MIN_RATE`: what is left divided by the float dust of a sum of rates gives e.g. 2**47 s)."""
+    if seconds is None or not math.isfinite(seconds) or not 0 <= seconds <= MAX_ETA_S:
+        return MISSING
+    if seconds > 0 and rate is not None and not (math.isfinite(rate) and rate >= MIN_RATE):
+        return MISSING
+    return fmt_duration(seconds)
 
 
 def fmt_uptime(seconds: float | None) -> str:
@@ -94,3 +110,8 @@ def short_id(peer_id: str, width: int = 12) -> str:
 
 def short_hash(content_hash: str) -> str:
     return content_hash[:12]
+
+
+def fmt_held_out(loss: float, metrics: dict[str, float]) -> str:
+    """``loss 1.234, accuracy 0.912`` (a held-out evaluation)."""
+    return ", ".join([f"loss {fmt_float(loss)}", *(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))])

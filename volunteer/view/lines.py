@@ -19,9 +19,12 @@ from typing import Any
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.view.fmt import (
+    MISSING,
     fmt_bytes,
     fmt_duration,
+    fmt_eta,
     fmt_float,
+    fmt_held_out,
     fmt_percent,
     fmt_rate,
     fmt_ratio,
@@ -94,6 +97,12 @@ def reachability(event: ev.Reachability) -> tuple[str, str]:
     return level, "; ".join(parts)
 
 
+def _eta(seconds: float | None, rate: float | None) -> str:
+    """``, eta 4.00 s``; nothing while the ETA is unknown or absurd (see :func:`fmt_eta`)."""
+    text = fmt_eta(seconds, rate)
+    return "" if text == MISSING else f", eta {text}"
+
+
 def describe(event: ev.Event) -> tuple[str, str]:
     """The level (``info``, ``warning``, ``error``) and the human text of one event, without the time."""
     match event:
@@ -105,7 +114,7 @@ def describe(event: ev.Event) -> tuple[str, str]:
                 f"target {event.target_batch_size} samples, recipe {event.recipe}, codec {event.codec}"
             )
         case ev.Progress():
-            eta = f", eta {fmt_duration(event.eta_s)}" if event.eta_s is not None else ""
+            eta = _eta(event.eta_s, event.samples_per_s)
             unreachable = "; peers cannot reach this machine" if not event.reachable else ""
             return "info", (
                 f"collaboration at step {event.global_step}: {event.samples}/{event.target} samples, "
@@ -121,10 +130,11 @@ def describe(event: ev.Event) -> tuple[str, str]:
             return "info", f"phase: {event.phase}"
         case ev.StepDone():
             share = event.contributed_samples / event.group_samples if event.group_samples else None
+            loss = f", loss {fmt_float(event.loss, 3)}" if event.loss is not None else ""
             return "info", (
                 f"step {event.step} done: {event.contributed_samples}/{event.group_samples} samples "
-                f"from this machine ({fmt_percent(share)}), lr {event.lr:.3g}, {fmt_duration(event.step_time_s)}, "
-                f"compute {fmt_percent(event.compute_share)}"
+                f"from this machine ({fmt_percent(share)}){loss}, lr {event.lr:.3g}, "
+                f"{fmt_duration(event.step_time_s)}, compute {fmt_percent(event.compute_share)}"
             )
         case ev.StepMissed():
             return "warning", (
@@ -171,7 +181,7 @@ def describe(event: ev.Event) -> tuple[str, str]:
             )
         case ev.StateSyncProgress():
             fraction = event.done_bytes / event.total_bytes if event.total_bytes else None
-            eta = f", eta {fmt_duration(event.eta_s)}" if event.eta_s is not None else ""
+            eta = _eta(event.eta_s, event.rate)
             return "info", (
                 f"state sync: {fmt_bytes(event.done_bytes)}/{fmt_bytes(event.total_bytes)} "
                 f"({fmt_percent(fraction)}) at {fmt_rate(event.rate)}, {event.donors_active} donors{eta}"
@@ -182,6 +192,11 @@ def describe(event: ev.Event) -> tuple[str, str]:
             return "info", (
                 f"state loaded: step {event.step} ({short_hash(event.content_hash)}) "
                 f"in {fmt_duration(event.duration_s)} from {_ids(event.donors_used) or 'no donor'}"
+            )
+        case ev.Evaluated():
+            return (
+                "info",
+                f"held-out evaluation of step {event.step}: {fmt_held_out(event.loss, event.metrics)}",
             )
         case ev.StateServed():
             return "info", (

@@ -24,6 +24,7 @@ from crowdtrain.volunteer.view.fmt import (
     MISSING,
     fmt_bytes,
     fmt_duration,
+    fmt_eta,
     fmt_float,
     fmt_percent,
     fmt_rate,
@@ -187,7 +188,7 @@ def collaboration_rows(state: ViewState) -> list[Row]:
         ("peers online", _value(peers)),
         ("run speed", _value(fmt_speed(state.run_samples_per_s))),
         ("step time", _value(fmt_duration(state.step_time_s))),
-        ("next step in", _value(fmt_duration(state.eta_s))),
+        ("next step in", _value(fmt_eta(state.eta_s, state.run_samples_per_s))),
     ]
 
 
@@ -211,7 +212,17 @@ def local_rows(state: ViewState) -> list[Row]:
             ),
         ),
         ("lr", _value(MISSING if state.lr is None else f"{state.lr:.3g}")),
+        *_held_out_rows(state),
     ]
+
+
+def _held_out_rows(state: ViewState) -> list[Row]:
+    """The newest held-out evaluation: its loss and step, then up to three of the recipe's metrics."""
+    if state.held_out is None:
+        return []
+    step, loss, metrics = state.held_out
+    rows = [("held-out", _value(f"{fmt_float(loss)} (step {step})"))]
+    return rows + [(name[:12], _value(f"{value:.4g}")) for name, value in sorted(metrics.items())[:3]]
 
 
 def data_rows(state: ViewState) -> list[Row]:
@@ -246,7 +257,7 @@ def sync_rows(state: ViewState) -> list[Row]:
             (
                 "download",
                 _value(
-                    f"{fmt_rate(state.sync_rate)}, eta {fmt_duration(state.sync_eta_s)}, "
+                    f"{fmt_rate(state.sync_rate)}, eta {fmt_eta(state.sync_eta_s, state.sync_rate)}, "
                     f"{state.donors_active} donors"
                 ),
             )

@@ -70,6 +70,8 @@ class ViewState:
     lr: float | None = None
     loss: float | None = None
     loss_history: tuple[float, ...] = ()
+    # the newest held-out evaluation (the run's eval split): (step, loss, metrics)
+    held_out: tuple[int, float, dict[str, float]] | None = None
     local_samples: int = 0
     local_samples_per_s: float = 0.0
     micro_batches: int = 0
@@ -360,6 +362,10 @@ def _loaded(s: ViewState, e: ev.StateLoaded) -> ViewState:
     )
 
 
+def _evaluated(s: ViewState, e: ev.Evaluated) -> ViewState:
+    return replace(s, held_out=(e.step, e.loss, dict(e.metrics)), log=_logged(s, e))
+
+
 def _served(s: ViewState, e: ev.StateServed) -> ViewState:
     return replace(s, served_step=e.step, served_size=e.size, served_hash=e.content_hash)
 
@@ -387,6 +393,7 @@ _HANDLERS: dict[type[ev.Event], Callable[[ViewState, ev.Event], ViewState]] = {
     ev.DonorBanned: _banned,
     ev.StateLoaded: _loaded,
     ev.StateServed: _served,
+    ev.Evaluated: _evaluated,
     ev.Left: _left,
 }  # type: ignore[dict-item]
 
