@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import typer
 
 from crowdtrain import __version__
+from crowdtrain.commands.common import EXIT_ERROR, EXIT_INTERRUPTED
 from crowdtrain.protocol.errors import CrowdtrainError
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 app = typer.Typer(
     name="crowdtrain",

@@ -5,14 +5,23 @@ Every message is a sentence that says what went wrong and, where it can, what to
     CrowdtrainError                  anything crowdtrain raises on purpose; the CLI exits 1 with its text
     ├── ConfigError                  a setting is invalid; names the field
     ├── ProtocolError                bytes or JSON from the network are malformed; names the field
-    │   └── LimitExceeded            a declared or actual size is beyond a configured limit
+    │   ├── LimitExceeded            a declared or actual size is beyond a configured limit
+    │   ├── AnnounceError*           an announce or scrape the tracker refuses (tracker/announce.py)
+    │   ├── AddressError*            a declared address the tracker cannot use (tracker/reach.py)
+    │   ├── NonFinite*               a frame decoded to NaN or infinity (volunteer/averaging/wire.py)
+    │   └── RangeNotSatisfiable*     a state request's Range header is malformed (volunteer/state/serve.py)
     ├── AuthError                    a token, credential or signature is missing, wrong or expired
+    │   └── AdminAuthError*          the admin token is missing or wrong (tracker/auth.py)
     ├── TrackerError                 the tracker answered with an error
     │   └── TrackerUnreachable       the tracker did not answer (down, wrong URL, timeout)
+    ├── ApiError*                    a tracker route's refusal: its HTTP status and sentence (tracker/server.py)
+    ├── StateRefused*                a state declaration the tracker does not record (tracker/collab.py)
     ├── DatasetError                 a data set cannot be made, read or fetched
     ├── RecipeError                  the model recipe is unknown or does not match the run's spec
     ├── AveragingError               an all-reduce round failed as a whole
     └── StateSyncError               no donor could deliver the run's current state
+
+(* defined beside the one module that raises it; ``tests/test_errors_tree.py`` holds this drawing to the code.)
 """
 
 from __future__ import annotations

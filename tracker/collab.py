@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey, sign_assignment
+from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import (
     Donor,
     DonorList,
@@ -122,7 +123,7 @@ class Peer:
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
 
-class StateRefused(ValueError):
+class StateRefused(CrowdtrainError, ValueError):
     """A state declaration the tracker does not record (the message says why)."""
 
 

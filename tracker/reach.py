@@ -20,9 +20,9 @@ import json
 import logging
 import time
 
-from aiohttp import ClientSession, ClientTimeout
+from aiohttp import ClientError, ClientSession, ClientTimeout
 
-from crowdtrain.protocol.aio import read_body
+from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.tracker.collab import Peer, RunState
 
@@ -149,8 +149,13 @@ class Checker:
                             body = await read_body(resp.content, 4096, resp.content_length)
                             reply = json.loads(body)
                             ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
-            except Exception as exc:  # any failure (refused, timeout, bad JSON) means unreachable
+            except (ClientError, OSError, TimeoutError, ValueError, BodyTooLong) as exc:
+                # refused, reset, timed out, not HTTP, not JSON, too long: the address does not answer as a peer
                 log.debug("peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
+            except Exception:  # a bug of ours, not the peer's: unreachable all the same, but said aloud
+                log.warning(
+                    "checking peer %s at %s failed unexpectedly", peer.peer_id, address, exc_info=True
+                )
         peer.checking = False
         if peer.address == address and run.peers.get(peer.peer_id) is peer:
             peer.reachable = ok

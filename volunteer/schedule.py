@@ -15,27 +15,15 @@ from __future__ import annotations
 
 import math
 
-from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
-
-
-def check_schedule(spec: OptimizerSpec, schedule: ScheduleSpec) -> None:
-    """Raise :class:`ConfigError` naming the field if the spec's schedule cannot be evaluated."""
-    if not (math.isfinite(spec.lr) and spec.lr > 0):
-        raise ConfigError("optimizer.lr", f"must be a positive finite number, got {spec.lr!r}")
-    if schedule.kind not in ("constant", "linear", "cosine"):
-        raise ConfigError("schedule.kind", f"must be constant, linear or cosine, got {schedule.kind!r}")
-    if schedule.warmup_steps < 0:
-        raise ConfigError("schedule.warmup_steps", f"must be ≥ 0, got {schedule.warmup_steps}")
-    if schedule.total_steps < 1:
-        raise ConfigError("schedule.total_steps", f"must be ≥ 1, got {schedule.total_steps}")
-    if not (0.0 <= schedule.min_lr_ratio <= 1.0):
-        raise ConfigError("schedule.min_lr_ratio", f"must be within [0, 1], got {schedule.min_lr_ratio!r}")
+from crowdtrain.protocol.runcheck import check_optimizer, check_schedule
 
 
 def learning_rate(step: int, spec: OptimizerSpec, schedule: ScheduleSpec) -> float:
-    """The learning rate of global step ``step`` (0-based)."""
-    check_schedule(spec, schedule)
+    """The learning rate of global step ``step`` (0-based). The spec's fields are checked as the tracker
+    checks them (:mod:`crowdtrain.protocol.runcheck`)."""
+    check_optimizer(spec)
+    check_schedule(schedule)
     if step < 0:
         raise ValueError(f"the global step must be ≥ 0, got {step}")
     lr = spec.lr

@@ -36,10 +36,10 @@ from crowdtrain.protocol.errors import (
     StateSyncError,
 )
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
-from crowdtrain.protocol.runcheck import check_optimizer
+from crowdtrain.protocol.runcheck import check_optimizer, check_schedule
 from crowdtrain.volunteer.models.recipe import Recipe
 from crowdtrain.volunteer.models.registry import get_recipe
-from crowdtrain.volunteer.schedule import check_schedule, learning_rate
+from crowdtrain.volunteer.schedule import learning_rate
 
 Batch = tuple[Any, Any]  # (x, y): torch tensors or numpy arrays, first dimension = samples
 
@@ -98,7 +98,8 @@ class Trainer:
         schedule_spec: ScheduleSpec,
         device: str = "cpu",
     ) -> None:
-        check_schedule(optimizer_spec, schedule_spec)
+        check_optimizer(optimizer_spec)
+        check_schedule(schedule_spec)
         self.recipe = recipe
         self.optimizer_spec = optimizer_spec
         self.schedule_spec = schedule_spec

@@ -12,6 +12,9 @@ import typer
 
 T = TypeVar("T")
 
+# The exit codes of every command (README "Exit codes"): here, below the commands and crowdtrain.cli both.
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 
 async def _cancel_on_sigterm(coro: Coroutine[Any, Any, T]) -> T:
     task = asyncio.current_task()
@@ -49,8 +52,6 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
             return runner.run(_cancel_on_sigterm(coro))
     except (KeyboardInterrupt, asyncio.CancelledError):
         typer.echo("interrupted", err=True)
-        from crowdtrain.cli import EXIT_INTERRUPTED  # (the exit codes live in cli.py)
-
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import typer
 
-from crowdtrain.commands.common import run_async
+from crowdtrain.commands.common import EXIT_INTERRUPTED, run_async
 from crowdtrain.procs import Child, child_env, json_events, stop_processes
 from crowdtrain.protocol.errors import ConfigError, CrowdtrainError
 
@@ -282,7 +282,7 @@ def join_when_told(argv: list[str]) -> None:
 
         told = sys.stdin.readline()
     except KeyboardInterrupt:
-        sys.exit(130)  # as crowdtrain.cli.EXIT_INTERRUPTED
+        sys.exit(EXIT_INTERRUPTED)
     if not told:
         return
     main(argv)

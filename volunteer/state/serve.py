@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zstandard
 from aiohttp import web
 
-from crowdtrain.protocol.errors import AuthError
+from crowdtrain.protocol.errors import AuthError, ProtocolError
 from crowdtrain.protocol.messages import HEX64, MAX_DECLARED_STATES, ErrorBody, StateVersion, encode
 from crowdtrain.protocol.peerauth import check_headers
 from crowdtrain.volunteer.events import Emit, StateServed, no_emit
@@ -38,7 +38,7 @@ _PACED_PIECE = 128 << 10
 _BURST_S = 0.25  # a pacer that fell behind (a busy machine) may catch up this much at once
 
 
-class RangeNotSatisfiable(ValueError):
+class RangeNotSatisfiable(ProtocolError):
     """The request's Range header is malformed or outside the snapshot."""
 
 
