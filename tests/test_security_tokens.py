@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from crowdtrain.protocol.messages import encode
-from tests.sim import make_run_create, make_torrent
+from crowdtrain.datasets.make import make_dataset
 
 ADMIN = "admin-SECRET-7d1b0c5e9a2f4e33"
 JOIN = "join-SECRET-41f9a0b2c8d6e177"
@@ -75,10 +74,11 @@ def test_admin_and_join_tokens_appear_nowhere_but_the_operators_start_line(tmp_p
         assert first[2].strip() == f"runs on the web: {url}/", first
         assert first[3].strip() == f"admin token: {ADMIN}", first
 
-        data = tmp_path / "data"
-        data.mkdir()
-        (data / "manifest.json").write_bytes(encode(make_run_create().dataset.manifest))
-        (data / "demo.torrent").write_bytes(make_torrent("demo", b"x" * 40000, announce=url + "/announce"))
+        # a real data set: `run create` puts one of its micro-batches through the recipe
+        make_dataset(
+            "builtin:stdlib", tmp_path / "data", chunk_bytes=64 * 1024, max_bytes=64 * 1024,
+            announce_url=url + "/announce",
+        )  # fmt: skip
         spec = tmp_path / "run.toml"
         spec.write_text(SPEC.format(join=JOIN))
         plain_env = {k: v for k, v in cli_env.items() if k != "CROWDTRAIN_ADMIN_TOKEN"}
