@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 from pathlib import Path
 from typing import Any
 
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
-from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
+from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES, MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import RunCreate, convert
 from crowdtrain.protocol.runcheck import check_run
 
@@ -60,6 +61,33 @@ def read_dataset(section: dict[str, Any], base: Path) -> tuple[dict[str, Any], b
         elif isinstance(urls, list) and urls and isinstance(urls[0], bytes):
             web_seed = urls[0].decode(errors="replace")
     return {"infohash": infohash, "manifest": to_builtins(manifest), "web_seed": web_seed}, torrent
+
+
+def read_tokenizer(folder: Path, manifest: dict[str, Any]) -> bytes | None:
+    """The data set's ``tokenizer.json`` when its manifest names one (checked against the manifest's size and
+    sha256), else None: what ``RunCreate.tokenizer`` carries to the tracker."""
+    from crowdtrain.datasets.make import TOKENIZER_NAME
+
+    info = manifest.get("tokenizer")
+    if not isinstance(info, dict):
+        return None
+    path = folder / TOKENIZER_NAME
+    try:
+        if path.stat().st_size > MAX_TOKENIZER_BYTES:
+            raise ConfigError("dataset.dir", f"{path} is larger than {MAX_TOKENIZER_BYTES} bytes")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            "dataset.dir",
+            f"cannot read {path} ({exc.strerror}), the tokenizer its manifest names; run `dataset make` again",
+        ) from None
+    if hashlib.sha256(data).hexdigest() != info.get("sha256"):
+        raise ConfigError(
+            "dataset.dir",
+            f"{path} is not the tokenizer its manifest names (its sha256 differs); it changed after "
+            "`dataset make`: run `dataset make` again",
+        )
+    return data
 
 
 PREFLIGHT_BATCH = (
@@ -123,6 +151,7 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
     ``schedule``, ``averaging``, ``micro_batch_size``, ``join_policy``, ``join_token``, ``seed``).
     """
     dataset, torrent = read_dataset({"dir": str(data_dir)}, Path.cwd())
+    tokenizer = read_tokenizer(Path(data_dir).resolve(), dataset["manifest"])
     model = dict(model)
     if not model.get("param_hash"):
         micro = int(settings.get("micro_batch_size", 8))
@@ -134,6 +163,8 @@ def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **sett
         "torrent": base64.b64encode(torrent).decode(),
         **settings,
     }
+    if tokenizer is not None:
+        doc["tokenizer"] = base64.b64encode(tokenizer).decode()
     create = convert(doc, RunCreate)
     check_run(create)  # the tracker and every volunteer make the same check
     return create

@@ -9,8 +9,19 @@ Sources:
 * ``builtin:stdlib``: the Python standard library's own ``.py`` files (found through ``sysconfig``),
   sorted by path, as byte-level tokens: real text that every Python install has.
 
+A text source (the folder, ``.jsonl`` and ``builtin:stdlib``) can instead be cut into the ids of a tokenizer
+(the Hugging Face ``tokenizers`` library, imported only then: ``pip install 'crowdtrain[text]'``): a given
+``tokenizer.json`` (``tokenizer=``), or a byte-level BPE of ``train_bpe`` tokens trained here on the same text
+(its first ``max_bytes`` when given). Each document (a file, a JSON line) is encoded on its own, exactly as the
+tokenizer encodes it (its post-processor's special tokens included; its truncation and padding off), and
+followed by the tokenizer's end-of-text token (:data:`EOS_NAMES`; the trained BPE has ``<|endoftext|>``, id 0)
+unless it already ends with it; a tokenizer without one simply concatenates its documents. Ids are stored as
+uint16 when the vocabulary has at most 65536 ids, else uint32. The tokenizer is written beside the chunks as
+``tokenizer.json`` and named (sha256, size, vocabulary) in the manifest, which the torrent covers.
+
 The same input always gives the same bytes and so the same info-hash: files are read in sorted order, the
-chunk format is deterministic, and the torrent carries no creation date.
+chunk format is deterministic, BPE training is deterministic (its merges break ties by the pair, whatever the
+number of threads), and the torrent carries no creation date.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from crowdtrain.datasets.chunks import (
 )
 from crowdtrain.datasets.torrent import write_torrent
 from crowdtrain.protocol.errors import ConfigError, DatasetError
-from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest, encode
+from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES
+from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest, TokenizerInfo, encode
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_CHUNK_BYTES = 4 * MiB
@@ -46,6 +58,13 @@ MAX_CHUNK_BYTES = 64 * MiB
 STDLIB_SOURCE = "builtin:stdlib"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+TOKENIZER_NAME = "tokenizer.json"
+BPE_EOS = "<|endoftext|>"
+BPE_MIN_VOCAB = 257  # the 256 byte tokens and BPE_EOS: no merge yet
+BPE_MAX_VOCAB = 1 << 16  # ids that uint16 holds
+# a tokenizer's end-of-text token, by name, in this order of preference (GPT-2, Llama 3, Llama 2 and T5, …)
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+TEXT_BATCH_BYTES = 1 * MiB  # text tokenized in one call (the library spreads a batch over its threads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +77,22 @@ class _Source:
     total_bytes: int  # input bytes, for progress
     blocks: Callable[[], Iterator[tuple[np.ndarray, int]]]  # yields (rows, input bytes consumed)
     default_name: str
+    # a text source's documents, as UTF-8 bytes: yields (document, input bytes consumed); None for arrays
+    docs: Callable[[], Iterator[tuple[bytes, int]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Tokenizer:
+    """A tokenizer loaded or trained for a data set: the library's object and the file that ships."""
+
+    tok: object  # a tokenizers.Tokenizer
+    data: bytes  # tokenizer.json, as written beside the chunks
+    vocab_size: int  # the largest id + 1
+
+    def info(self) -> TokenizerInfo:
+        return TokenizerInfo(
+            sha256=hashlib.sha256(self.data).hexdigest(), bytes=len(self.data), vocab_size=self.vocab_size
+        )
 
 
 def make_dataset(
@@ -71,8 +106,13 @@ def make_dataset(
     progress: Progress | None = None,
     text_field: str = "text",
     max_bytes: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    train_bpe: int | None = None,
 ) -> DatasetManifest:
-    """Write chunk files, ``manifest.json`` and ``<name>.torrent`` into ``out_dir``; return the manifest."""
+    """Write chunk files, ``manifest.json`` and ``<name>.torrent`` into ``out_dir``; return the manifest.
+
+    ``tokenizer`` (a ``tokenizer.json``) or ``train_bpe`` (a vocabulary size) cut a text source into that
+    tokenizer's ids, written with ``tokenizer.json`` beside the chunks (see the module's docstring)."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ConfigError(
             "chunk_bytes",
@@ -81,7 +121,29 @@ def make_dataset(
         )
     if max_bytes is not None and max_bytes <= 0:
         raise ConfigError("max_bytes", "must be a positive number of bytes")
+    if tokenizer is not None and train_bpe is not None:
+        raise ConfigError("train_bpe", "give a tokenizer file or a BPE vocabulary to train, not both")
+    if train_bpe is not None and not BPE_MIN_VOCAB <= train_bpe <= BPE_MAX_VOCAB:
+        raise ConfigError(
+            "train_bpe", f"{train_bpe} tokens is outside {BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} (256 bytes, "
+            "<|endoftext|> and the merges); choose e.g. 4096",
+        )  # fmt: skip
     src = _open_source(str(source), text_field)
+    tok = None
+    if tokenizer is not None or train_bpe is not None:
+        option = "--tokenizer" if tokenizer is not None else "--train-bpe"
+        docs = src.docs
+        if docs is None:
+            raise DatasetError(
+                f"{option} tokenizes text, but {source} holds arrays or token ids already; give a folder of "
+                f"text files, a .jsonl file or {STDLIB_SOURCE}."
+            )
+        lib = _tokenizers_library(option)
+        if tokenizer is not None:
+            tok = _load_tokenizer(lib, Path(tokenizer))
+        else:
+            tok = _train_bpe(lib, docs, train_bpe or 0, max_bytes)
+        src = _tokenized(src, docs, tok)
     name = name or (re.sub(r"[^A-Za-z0-9._-]", "-", src.default_name).lstrip("._-")[:64] or "dataset")
     if not NAME_RE.match(name):
         raise ConfigError(
@@ -143,9 +205,12 @@ def make_dataset(
         chunks=chunks,
         total_samples=rows_written,
         **src.manifest_fields,
+        **({} if tok is None else {"tokenizer": tok.info()}),
     )
     if expected_dtype(manifest) != src.dtype:  # a programming error, not an input error
         raise RuntimeError(f"chunk dtype {src.dtype} differs from the manifest's {expected_dtype(manifest)}")
+    if tok is not None:
+        (out / TOKENIZER_NAME).write_bytes(tok.data)
     (out / MANIFEST_NAME).write_bytes(encode(manifest))
     write_torrent(out, manifest, announce_url=announce_url, web_seed=web_seed)
     return manifest
@@ -159,7 +224,9 @@ def _prepare_out_dir(out: Path, source: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise DatasetError(f"Output {out} exists and is not a folder; choose another --out.")
     out.mkdir(parents=True, exist_ok=True)
-    ours = re.compile(r"^(chunk-\d{5}\.npy|manifest\.json|.*\.torrent|\.resume)$")
+    ours = re.compile(
+        r"^(chunk-\d{5}\.npy|manifest\.json|tokenizer\.json|.*\.torrent|\.resume(-[0-9a-f]{40})?)$"
+    )
     foreign = [p.name for p in out.iterdir() if not ours.match(p.name)]
     if foreign:
         raise DatasetError(
@@ -240,6 +307,7 @@ def _byte_source(total: int, default_name: str, docs: Callable[[], Iterator[tupl
         total_bytes=total,
         blocks=blocks,
         default_name=default_name,
+        docs=docs,
     )
 
 
@@ -412,4 +480,132 @@ def _arrays_source(path: Path, x: np.ndarray, y: np.ndarray | None) -> _Source:
         total_bytes=len(x) * dtype.itemsize,
         blocks=_rows_blocks(columns, dtype, len(x)),
         default_name=path.stem,
+    )
+
+
+# ------------------------------------------------------------------ tokenizers
+
+
+def _tokenizers_library(option: str):
+    """The ``tokenizers`` module, imported only for a data set cut with a tokenizer (an optional extra)."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise DatasetError(f"{option} needs the tokenizers library: pip install 'crowdtrain[text]'") from None
+    return tokenizers
+
+
+def _vocab_size(tok) -> int:
+    return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
+def _load_tokenizer(lib, path: Path) -> _Tokenizer:
+    """A ``tokenizer.json`` file, loaded to encode with; its bytes ship unchanged."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise DatasetError(
+            f"Cannot read the tokenizer {path}: {exc.strerror or exc}; give your tokenizer's tokenizer.json."
+        ) from None
+    if size > MAX_TOKENIZER_BYTES:
+        raise DatasetError(
+            f"The tokenizer {path} is {size} bytes, more than the {MAX_TOKENIZER_BYTES >> 20} MiB a data set's "
+            "tokenizer may have."
+        )
+    data = _read(path)
+    try:
+        tok = lib.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # the library raises a plain Exception; UnicodeDecodeError is one too
+        reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise DatasetError(
+            f"{path} is not a tokenizer the tokenizers library can load ({reason}); give a tokenizer.json "
+            "written by Tokenizer.save."
+        ) from None
+    vocab_size = _vocab_size(tok)
+    if vocab_size < 1:
+        raise DatasetError(f"The tokenizer {path} has no tokens; give a trained tokenizer.")
+    if vocab_size > 1 << 32:
+        raise DatasetError(f"The tokenizer {path} has ids up to {vocab_size - 1}, more than uint32 holds.")
+    return _Tokenizer(tok, data, vocab_size)
+
+
+Docs = Callable[[], Iterator[tuple[bytes, int]]]
+
+
+def _texts(docs: Docs, max_bytes: int | None) -> Iterator[str]:
+    """The source's documents as text (the first ``max_bytes`` of them when given): what BPE trains on."""
+    seen = 0
+    for doc, _ in docs():
+        if max_bytes is not None and seen >= max_bytes:
+            return
+        if doc:
+            seen += len(doc)
+            yield doc.decode("utf-8", errors="replace")
+
+
+def _train_bpe(lib, docs: Docs, vocab: int, max_bytes: int | None) -> _Tokenizer:
+    """A byte-level BPE (GPT-2's layout) of at most ``vocab`` tokens, trained on the source's text: id 0 is
+    ``<|endoftext|>``, ids 1-256 the bytes, the rest merges. Deterministic: the same text gives the same file."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = lib.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=[BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_texts(docs, max_bytes), trainer=trainer)
+    return _Tokenizer(tok, tok.to_str().encode("utf-8"), _vocab_size(tok))
+
+
+def _eos_id(tok) -> int | None:
+    """The id of the tokenizer's end-of-text token (a special token named in EOS_NAMES), if it has one."""
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return next((special[name] for name in EOS_NAMES if name in special), None)
+
+
+def _tokenized(src: _Source, docs: Docs, tokenizer: _Tokenizer) -> _Source:
+    """``src``'s documents as the tokenizer's ids, each document followed by its end-of-text token."""
+    tok = tokenizer.tok
+    tok.no_truncation()  # a tokenizer.json may carry a model's input length and padding: a document is whole
+    tok.no_padding()
+    eos = _eos_id(tok)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+    def encode(texts: list[str]) -> np.ndarray:
+        ids: list[int] = []
+        for enc in tok.encode_batch(texts):
+            ids += enc.ids
+            if eos is not None and (not enc.ids or enc.ids[-1] != eos):
+                ids.append(eos)
+        arr = np.array(ids, dtype=np.int64)
+        if arr.size and not 0 <= arr.min() <= arr.max() < tokenizer.vocab_size:  # (the library's promise)
+            raise DatasetError(f"The tokenizer gave ids outside 0..{tokenizer.vocab_size - 1}; check it.")
+        return arr.astype(dtype)
+
+    def blocks() -> Iterator[tuple[np.ndarray, int]]:
+        texts: list[str] = []
+        size = consumed = 0
+        for doc, n in docs():
+            consumed += n
+            if doc:
+                texts.append(doc.decode("utf-8", errors="replace"))
+                size += len(doc)
+            if size >= TEXT_BATCH_BYTES:
+                yield encode(texts), consumed
+                texts, size, consumed = [], 0, 0
+        if texts or consumed:
+            yield encode(texts) if texts else np.empty(0, dtype), consumed
+
+    return _Source(
+        kind="tokens",
+        dtype=dtype,
+        manifest_fields={"dtype": dtype.name},
+        total_bytes=src.total_bytes,
+        blocks=blocks,
+        default_name=src.default_name,
+        docs=docs,
     )

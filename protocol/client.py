@@ -21,7 +21,7 @@ from crowdtrain.protocol import bencode
 from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
-from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
+from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES, MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     Credential,
     DatasetRegistration,
@@ -218,6 +218,19 @@ class TrackerClient:
 
     async def get_torrent(self, run_id: str) -> bytes:
         _, data = await self._request("GET", f"{API}/runs/{run_id}/torrent", max_bytes=MAX_TORRENT_BYTES)
+        return data
+
+    async def get_tokenizer(self, run_id: str) -> bytes | None:
+        """The run's tokenizer.json, read whole (at most MAX_TOKENIZER_BYTES); None when the run has none.
+        The caller checks its sha256 against the spec's ``dataset.manifest.tokenizer``."""
+        try:
+            _, data = await self._request(
+                "GET", f"{API}/runs/{run_id}/tokenizer", max_bytes=MAX_TOKENIZER_BYTES
+            )
+        except TrackerError as exc:
+            if exc.status == 404 and "has no tokenizer" in str(exc):  # (not: no such run)
+                return None
+            raise
         return data
 
     async def status(self, run_id: str) -> RunStatus:

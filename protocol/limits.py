@@ -12,6 +12,12 @@ MiB = 1 << 20
 # 100 GB in 4 MiB pieces) and file list. Refused above this everywhere: when made, published, registered
 # and downloaded. In base64 inside a RunCreate it stays under the tracker's default 4 MiB request body.
 MAX_TORRENT_BYTES = 3 * MiB
+# A data set's tokenizer (``tokenizer.json``, Hugging Face ``tokenizers``): a byte-level BPE of 65536 tokens is
+# about 2 MiB, Llama 3's (128k tokens) 9 MiB. Refused above this when made, published, stored and downloaded.
+MAX_TOKENIZER_BYTES = 16 * MiB
+# The same in base64, as ``RunCreate.tokenizer`` carries it: the room the tracker gives a RunCreate beyond its
+# ``max_body_bytes`` (only after the admin token is checked), so a run's tokenizer fits any tracker.
+MAX_TOKENIZER_BASE64 = 4 * ((MAX_TOKENIZER_BYTES + 2) // 3)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,10 +26,10 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
-from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
+from crowdtrain.protocol.limits import DEFAULT_LIMITS, MAX_TOKENIZER_BASE64, MAX_TOKENIZER_BYTES, Limits
 
 VERSION = 1
 Version = Literal[1]
@@ -129,6 +129,15 @@ class ChunkInfo(Message, kw_only=True):
     sha256: str
 
 
+class TokenizerInfo(Message, kw_only=True):
+    """The tokenizer a tokens data set was cut with: ``tokenizer.json`` beside its chunks (Hugging Face
+    ``tokenizers`` format). Its ids are the data set's token ids, all below ``vocab_size``."""
+
+    sha256: Hex64  # of the file's bytes, exactly as written
+    bytes: Annotated[int, Meta(ge=1, le=MAX_TOKENIZER_BYTES)]
+    vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)]  # the largest id + 1 (added tokens included)
+
+
 class DatasetManifest(Message, kw_only=True):
     version: Version = VERSION
     name: str
@@ -139,6 +148,10 @@ class DatasetManifest(Message, kw_only=True):
     chunk_bytes: int  # the --chunk-size the set was cut with
     chunks: list[ChunkInfo]
     total_samples: int  # tokens: total tokens; arrays: total samples
+    # a tokens set cut with a tokenizer (``dataset make --tokenizer``/``--train-bpe``). Absent, not null, when
+    # there is none (UNSET is left out when encoded): manifests without one keep their bytes and info-hash,
+    # and crowdtrain versions that know no tokenizer still read them.
+    tokenizer: TokenizerInfo | UnsetType = UNSET
 
 
 class DatasetRef(Message, kw_only=True):
@@ -213,6 +226,9 @@ class RunCreate(Message, kw_only=True):
     join_policy: JoinPolicy = "public"
     join_token: str | None = None  # required when join_policy is "token"
     seed: int = 0
+    # base64 of the data set's tokenizer.json, when its manifest names one (the tracker checks its sha256
+    # and serves it at GET /api/v1/runs/{id}/tokenizer). Absent, not null, when there is none.
+    tokenizer: Annotated[str, Meta(max_length=MAX_TOKENIZER_BASE64)] | UnsetType = UNSET
 
 
 class RunCreated(Message, kw_only=True):

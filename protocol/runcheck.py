@@ -8,12 +8,15 @@ parameter hash from them; a volunteer builds the model); the tracker cannot impo
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import math
 import re
 import unicodedata
 
 from crowdtrain.protocol.errors import ConfigError
-from crowdtrain.protocol.limits import DEFAULT_LIMITS
+from crowdtrain.protocol.limits import DEFAULT_LIMITS, MAX_TOKENIZER_BYTES
 from crowdtrain.protocol.messages import (
     HEX64,
     AveragingSpec,
@@ -22,6 +25,7 @@ from crowdtrain.protocol.messages import (
     RunCreate,
     RunSpec,
     ScheduleSpec,
+    TokenizerInfo,
 )
 
 MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly
@@ -152,6 +156,55 @@ def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:
     _int(f"{field}.total_samples", m.total_samples, 1)
     if m.kind == "arrays" and m.total_samples != samples:
         raise ConfigError(f"{field}.total_samples", f"is {m.total_samples} but the chunks hold {samples}")
+    if isinstance(m.tokenizer, TokenizerInfo):
+        check_tokenizer_info(m, m.tokenizer, f"{field}.tokenizer")
+
+
+TOKEN_IDS = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}  # ids a token dtype holds
+
+
+def check_tokenizer_info(m: DatasetManifest, info: TokenizerInfo, field: str) -> None:
+    """A tokenizer belongs to a tokens set whose dtype holds every id of its vocabulary."""
+    if m.kind != "tokens":
+        raise ConfigError(field, "belongs to a tokens data set only, not an arrays one")
+    _int(f"{field}.bytes", info.bytes, 1, MAX_TOKENIZER_BYTES)
+    held = TOKEN_IDS.get(m.dtype, 0)
+    if not 1 <= info.vocab_size <= held:
+        raise ConfigError(
+            f"{field}.vocab_size", f"is {info.vocab_size}, but {m.dtype} tokens hold ids 0 to {held - 1}"
+        )
+
+
+def tokenizer_bytes(msg: RunCreate) -> bytes | None:
+    """The tokenizer a RunCreate carries (base64), checked against the one its manifest names (size and
+    sha256); None when neither names one. The tracker's check before it stores and serves it."""
+    info = msg.dataset.manifest.tokenizer
+    if not isinstance(msg.tokenizer, str):
+        if isinstance(info, TokenizerInfo):
+            raise ConfigError(
+                "tokenizer",
+                "is missing, but dataset.manifest.tokenizer names one; `run create` sends the data set's "
+                "tokenizer.json",
+            )
+        return None
+    if not isinstance(info, TokenizerInfo):
+        raise ConfigError("tokenizer", "is sent, but dataset.manifest.tokenizer names none")
+    try:
+        data = base64.b64decode(msg.tokenizer, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError("tokenizer", "is not valid base64") from None
+    if len(data) != info.bytes:
+        raise ConfigError(
+            "tokenizer", f"is {len(data)} bytes, but dataset.manifest.tokenizer says {info.bytes}"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info.sha256:
+        raise ConfigError(
+            "tokenizer",
+            f"has sha256 {digest}, but dataset.manifest.tokenizer names {info.sha256}; it is not the "
+            "tokenizer the data set was made with",
+        )
+    return data
 
 
 def check_run(msg: RunCreate | RunSpec) -> None:
@@ -191,6 +244,10 @@ def check_run(msg: RunCreate | RunSpec) -> None:
     if web_seed is not None and not re.match(r"^https?://[^\s/]+", web_seed):
         raise ConfigError("dataset.web_seed", f"must be an http:// or https:// URL, got {web_seed[:80]!r}")
     check_manifest(msg.dataset.manifest)
+    if isinstance(msg, RunCreate) and isinstance(msg.tokenizer, str) != isinstance(
+        msg.dataset.manifest.tokenizer, TokenizerInfo
+    ):
+        tokenizer_bytes(msg)  # (says which of the two is missing)
 
 
 MAX_EVAL_SAMPLES = 1 << 16

@@ -75,7 +75,12 @@ def struct_strategy(t: mi.StructType) -> st.SearchStrategy:
     for f in t.fields:
         value = strategy_for(f.type)
         if not f.required:
-            default = st.builds(f.default_factory) if f.default is msgspec.NODEFAULT else st.just(f.default)
+            if f.default is not msgspec.NODEFAULT:
+                default = st.just(f.default)
+            elif f.default_factory is not msgspec.NODEFAULT:
+                default = st.builds(f.default_factory)
+            else:  # an optional field left out when unset (``X | UnsetType = UNSET``)
+                default = st.just(msgspec.UNSET)
             value = st.one_of(default, value)
         fields[f.name] = value
     return st.fixed_dictionaries(fields).map(lambda kw: t.cls(**kw))

@@ -345,6 +345,10 @@ TRACKER_PUBLIC = {
     ("GET", "/api/v1/runs"): "listing runs is public; a private run hides nothing but needs a token to join",
     ("GET", "/api/v1/runs/{run_id}"): "the spec carries the tracker's public key volunteers verify with",
     ("GET", "/api/v1/runs/{run_id}/torrent"): "the data set's torrent is public (any BitTorrent client)",
+    (
+        "GET",
+        "/api/v1/runs/{run_id}/tokenizer",
+    ): "the data set's tokenizer is public like its torrent (its sha256 is in the public spec)",
     ("GET", "/api/v1/runs/{run_id}/status"): "progress of the run, shown by `crowdtrain status`",
     (
         "GET",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import json
 import logging
 import re
@@ -17,7 +18,7 @@ from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_credential
 from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
-from crowdtrain.protocol.limits import MAX_TORRENT_BYTES
+from crowdtrain.protocol.limits import MAX_TOKENIZER_BASE64, MAX_TORRENT_BYTES
 from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
 from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
@@ -110,7 +111,11 @@ async def test_create_needs_the_admin_token(tracker, run_id):
             400,
             "RunCreate: Expected `str` of 40 lowercase hex characters - at `$.dataset.infohash`",
         ),
-        (lambda d: b"x" * 70000, 413, "request body is larger than the tracker's limit of 65536 bytes"),
+        (  # a new run's body may carry a tokenizer beyond max_body_bytes; no more
+            lambda d: io.BytesIO(b"x" * (65536 + MAX_TOKENIZER_BASE64 + 1)),  # (streamed: it is large)
+            413,
+            f"request body is larger than the tracker's limit of {65536 + MAX_TOKENIZER_BASE64} bytes",
+        ),
     ],
 )
 async def test_create_refuses_bad_bodies(tracker, mutate, status, message):

@@ -7,6 +7,7 @@ Routes::
     POST /api/v1/datasets                         admin: register an info-hash for /announce
     POST /api/v1/runs                             admin: RunCreate -> RunCreated
     GET  /api/v1/runs, /api/v1/runs/{id}, /api/v1/runs/{id}/torrent, /api/v1/runs/{id}/status
+    GET  /api/v1/runs/{id}/tokenizer              the data set's tokenizer.json (404 when it has none)
     GET  /api/v1/runs/{id}/step?step=N&wait_s=S   long-poll: StepWatch once step N closed or passed
     POST /api/v1/runs/{id}/join                   JoinRequest -> JoinResponse (join token if private)
     POST /api/v1/runs/{id}/heartbeat|ready|leave|state    signed by the volunteer (peerauth)
@@ -40,11 +41,11 @@ from aiohttp import web
 
 from crowdtrain import __version__
 from crowdtrain.protocol import bencode
-from crowdtrain.protocol.aio import wait_at_most
+from crowdtrain.protocol.aio import BodyTooLong, read_body, wait_at_most
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AuthError, ConfigError, CrowdtrainError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.httplog import quiet_parser_errors
-from crowdtrain.protocol.limits import MAX_TORRENT_BYTES, Limits
+from crowdtrain.protocol.limits import MAX_TOKENIZER_BASE64, MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     MAX_INT,
     PEER_PROTOCOL,
@@ -69,7 +70,7 @@ from crowdtrain.protocol.messages import (
     decode,
     encode,
 )
-from crowdtrain.protocol.runcheck import check_run
+from crowdtrain.protocol.runcheck import check_run, tokenizer_bytes
 from crowdtrain.protocol.serving import bind_listeners, start_serving, stop_serving
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
@@ -214,6 +215,7 @@ class Tracker:
         r.add_get("/api/v1/runs", self.list_runs)
         r.add_get("/api/v1/runs/{run_id}", self.get_spec)
         r.add_get("/api/v1/runs/{run_id}/torrent", self.get_torrent)
+        r.add_get("/api/v1/runs/{run_id}/tokenizer", self.get_tokenizer)
         r.add_get("/api/v1/runs/{run_id}/status", self.get_status)
         r.add_get("/api/v1/runs/{run_id}/step", self.watch_step)
         r.add_post("/api/v1/runs/{run_id}/join", self.join)
@@ -417,8 +419,18 @@ class Tracker:
 
     async def create_run(self, request: web.Request) -> web.Response:
         check_admin(request.headers, self.admin_token)
-        msg = decode(await self._body(request), RunCreate, self.limits)
+        # a RunCreate may carry the data set's tokenizer on top of what max_body_bytes allows (admin only)
+        limit = self.config.max_body_bytes + MAX_TOKENIZER_BASE64
+        try:
+            body = await read_body(request.content, limit, request.content_length)
+        except BodyTooLong:
+            raise ApiError(413, f"request body is larger than the tracker's limit of {limit} bytes") from None
+        msg = decode(body, RunCreate, Limits(max_json_bytes=limit))
         torrent = self._validate_create(msg)
+        try:
+            tokenizer = tokenizer_bytes(msg)  # (its sha256 against the manifest's)
+        except ConfigError as exc:
+            raise ApiError(400, f"RunCreate: {exc.field} {exc.problem}") from None
         run_id = f"{_slug(msg.name)}-{secrets.token_hex(3)}"
         spec = RunSpec(
             run_id=run_id,
@@ -441,7 +453,7 @@ class Tracker:
             if msg.join_policy == "token" and msg.join_token
             else None
         )
-        self.store.add_run(spec, torrent, token_hash)
+        self.store.add_run(spec, torrent, token_hash, tokenizer)
         self.registered.add(bytes.fromhex(spec.dataset.infohash))
         self._add_run_state(spec, 0)
         self.torrents[run_id] = torrent
@@ -549,6 +561,22 @@ class Tracker:
             body=self.torrents[run.run_id],
             content_type="application/x-bittorrent",
             headers={"Content-Disposition": f'attachment; filename="{run.run_id}.torrent"'},
+        )
+
+    async def get_tokenizer(self, request: web.Request) -> web.Response:
+        """The data set's tokenizer.json, as the publisher sent it (its sha256 is in the spec's manifest).
+        Public like the torrent, a private run's too: it describes the data, which every seeder shares."""
+        run = self._run(request)
+        data = self.store.tokenizer(run.run_id)
+        if data is None:  # ("has no tokenizer" tells TrackerClient.get_tokenizer it is not a missing run)
+            raise ApiError(
+                404,
+                f"run {run.run_id} has no tokenizer: its data set was made without --tokenizer or --train-bpe",
+            )
+        return web.Response(
+            body=data,
+            content_type=JSON,
+            headers={"Content-Disposition": f'attachment; filename="{run.run_id}-tokenizer.json"'},
         )
 
     async def watch_step(self, request: web.Request) -> web.Response:

@@ -1,4 +1,5 @@
-"""Durable tracker state in SQLite (WAL): its key and admin token, data sets, runs, step history.
+"""Durable tracker state in SQLite (WAL): its key and admin token, data sets, runs (with their torrent and
+tokenizer), step history.
 
 Live peer tables are in memory (:mod:`crowdtrain.tracker.collab`, :mod:`crowdtrain.tracker.swarm`) and
 are rebuilt from heartbeats and announces after a restart. Writes are small and rare (a run created, a
@@ -22,7 +23,7 @@ CREATE TABLE IF NOT EXISTS datasets (
     infohash TEXT PRIMARY KEY, name TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY, spec BLOB NOT NULL, torrent BLOB NOT NULL, join_token_hash TEXT,
-    global_step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, closed_at REAL);
+    global_step INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, closed_at REAL, tokenizer BLOB);
 CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
@@ -54,6 +55,8 @@ class Store:
         columns = {row[1] for row in self._db.execute("PRAGMA table_info(runs)")}
         if "closed_at" not in columns:  # a database of an earlier version
             self._db.execute("ALTER TABLE runs ADD COLUMN closed_at REAL")
+        if "tokenizer" not in columns:  # (its runs have none)
+            self._db.execute("ALTER TABLE runs ADD COLUMN tokenizer BLOB")
         if "loss" not in {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}:
             self._db.execute("ALTER TABLE steps ADD COLUMN loss REAL")
 
@@ -89,13 +92,15 @@ class Store:
 
     # ------------------------------------------------------------ runs
 
-    def add_run(self, spec: RunSpec, torrent: bytes, join_token_hash: str | None) -> None:
+    def add_run(
+        self, spec: RunSpec, torrent: bytes, join_token_hash: str | None, tokenizer: bytes | None = None
+    ) -> None:
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
-                "INSERT INTO runs (run_id, spec, torrent, join_token_hash, global_step, created_at)"
-                " VALUES (?, ?, ?, ?, 0, ?)",
-                (spec.run_id, encode(spec), torrent, join_token_hash, spec.created_at),
+                "INSERT INTO runs (run_id, spec, torrent, join_token_hash, global_step, created_at, tokenizer)"
+                " VALUES (?, ?, ?, ?, 0, ?, ?)",
+                (spec.run_id, encode(spec), torrent, join_token_hash, spec.created_at, tokenizer),
             )
             self._db.execute(
                 "INSERT OR REPLACE INTO datasets (infohash, name, created_at) VALUES (?, ?, ?)",
@@ -110,6 +115,11 @@ class Store:
             StoredRun(decode(bytes(spec), RunSpec), bytes(torrent), token, step, closed)
             for spec, torrent, token, step, closed in rows
         ]
+
+    def tokenizer(self, run_id: str) -> bytes | None:
+        """The run's tokenizer.json (read when asked: it can be megabytes), or None when it has none."""
+        row = self._db.execute("SELECT tokenizer FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return None if row is None or row[0] is None else bytes(row[0])
 
     def close_run(self, run_id: str, when: float) -> None:
         self._db.execute(

@@ -14,6 +14,7 @@ import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.errors import ConfigError, DatasetError
+from crowdtrain.protocol.messages import TokenizerInfo
 
 app = typer.Typer(help="Make, inspect and seed BitTorrent data sets.", no_args_is_help=True)
 
@@ -66,16 +67,33 @@ def make(
     web_seed: str | None = typer.Option(None, "--web-seed", help="HTTP base URL serving the files (BEP 19)."),
     text_field: str = typer.Option("text", "--text-field", help="Field holding the text in a .jsonl source."),
     max_bytes: str | None = typer.Option(None, "--max-bytes", help="Stop after this much data (e.g. 4MiB)."),
+    tokenizer: Path | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="Cut text into the ids of this tokenizer.json (Hugging Face tokenizers); it ships with the data.",
+    ),
+    train_bpe: int | None = typer.Option(
+        None,
+        "--train-bpe",
+        help="Train a byte-level BPE of this many tokens (257-65536) on the text and cut the text with it.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Cut SOURCE into chunk files, write manifest.json and a v1 .torrent."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-    from crowdtrain.datasets.make import make_dataset
+    from crowdtrain.datasets.make import BPE_MAX_VOCAB, BPE_MIN_VOCAB, make_dataset
     from crowdtrain.datasets.torrent import read_dataset_info
 
     chunk_bytes = parse_size(chunk_size, "--chunk-size")
     cap = parse_size(max_bytes, "--max-bytes") if max_bytes else None
+    if tokenizer is not None and train_bpe is not None:
+        raise typer.BadParameter("give --tokenizer FILE or --train-bpe N, not both", param_hint="--train-bpe")
+    if train_bpe is not None and not BPE_MIN_VOCAB <= train_bpe <= BPE_MAX_VOCAB:
+        raise typer.BadParameter(
+            f"must be a vocabulary of {BPE_MIN_VOCAB} to {BPE_MAX_VOCAB} tokens, not {train_bpe}",
+            param_hint="--train-bpe",
+        )
     as_json = wants_json(ctx, json_out)
     bar = Progress(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
@@ -93,16 +111,27 @@ def make(
             progress=lambda done, total: bar.update(task, completed=done, total=total),
             text_field=text_field,
             max_bytes=cap,
+            tokenizer=tokenizer,
+            train_bpe=train_bpe,
         )
     info = read_dataset_info(out)
     if as_json:
         typer.echo(json.dumps(info.to_dict()))
         return
-    typer.echo(
+    lines = [
         f"made data set {manifest.name!r}: {len(manifest.chunks)} chunks, {manifest.total_samples} "
-        f"{_counted(manifest.kind)}, {_human(info.total_bytes)}\n"
-        f"  info-hash {info.infohash}\n  torrent   {info.torrent_path}"
-    )
+        f"{_counted(manifest.kind)}, {_human(info.total_bytes)}",
+        f"  info-hash {info.infohash}",
+        f"  torrent   {info.torrent_path}",
+    ]
+    if isinstance(manifest.tokenizer, TokenizerInfo):
+        lines.append(f"  tokenizer {out / 'tokenizer.json'} ({_tokenizer_line(manifest)})")
+    typer.echo("\n".join(lines))
+
+
+def _tokenizer_line(m) -> str:
+    t = m.tokenizer
+    return f"vocabulary {t.vocab_size}, {m.dtype} ids, {_human(t.bytes)}, sha256 {t.sha256}"
 
 
 @app.command("info")
@@ -134,6 +163,8 @@ def info(
             # a tokens data set's total_samples counts tokens (a sample is cut from them by the recipe)
             f"{_counted(m.kind):<10} {m.total_samples}",
         ]
+        if isinstance(m.tokenizer, TokenizerInfo):
+            lines.append(f"tokenizer  tokenizer.json ({_tokenizer_line(m)})")
     typer.echo("\n".join(lines))
 
 

@@ -1,7 +1,9 @@
-"""``crowdtrain export RUN_ID --tracker URL --out model.safetensors``: the run's newest weights, to keep."""
+"""``crowdtrain export RUN_ID --tracker URL --out model.safetensors``: the run's newest weights, to keep, with
+``model.json`` beside them and, for a run whose data set was cut with a tokenizer, its ``tokenizer.json``."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,12 +29,15 @@ def resolved_args(recipe: str, args: dict) -> dict | None:
         return None
 
 
-def export_info(run_id: str, step: int, recipe: str, args: dict, content_hash: str) -> dict:
+def export_info(
+    run_id: str, step: int, recipe: str, args: dict, content_hash: str, tokenizer: dict | None = None
+) -> dict:
     """What ``model.json`` (and the weights' metadata) says of an export: the run, its global step, the
     recipe with its args as the run's spec writes them (``args``, what ``join --init-from`` compares) and
     as the recipe resolves them (``resolved_args``, the defaults filled in; None where the recipe is not
-    installed here), and the state's content hash."""
-    return {
+    installed here), the state's content hash and, for a run with one, its tokenizer (``file``, the name of
+    the tokenizer.json beside, its ``sha256`` and ``vocab_size``)."""
+    info = {
         "run_id": run_id,
         "step": step,
         "recipe": recipe,
@@ -40,6 +45,40 @@ def export_info(run_id: str, step: int, recipe: str, args: dict, content_hash: s
         "resolved_args": resolved_args(recipe, args),
         "content_hash": content_hash,
     }
+    if tokenizer is not None:
+        info["tokenizer"] = tokenizer
+    return info
+
+
+def tokenizer_path(out: Path) -> Path:
+    """Where an export to ``out`` writes the run's tokenizer: ``tokenizer.json`` beside it (unless that is
+    the name of ``out``'s own .json)."""
+    beside = out.with_name("tokenizer.json")
+    return out.with_name(f"{out.stem}.tokenizer.json") if beside == out.with_suffix(".json") else beside
+
+
+async def fetch_tokenizer(tracker, spec) -> bytes | None:
+    """The run's tokenizer from its tracker, checked against the sha256 its data set's manifest names; None
+    for a run whose data set has none."""
+    from crowdtrain.protocol.errors import TrackerError
+    from crowdtrain.protocol.messages import TokenizerInfo
+
+    named = spec.dataset.manifest.tokenizer
+    if not isinstance(named, TokenizerInfo):
+        return None
+    data = await tracker.get_tokenizer(spec.run_id)
+    if data is None:
+        raise TrackerError(
+            f"the tracker at {tracker.url} has no tokenizer for run {spec.run_id}, though its data set names "
+            "one; nothing was written"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != named.sha256:
+        raise TrackerError(
+            f"the tokenizer the tracker at {tracker.url} serves for run {spec.run_id} has sha256 {digest}, not "
+            f"the {named.sha256} its data set names; nothing was written"
+        )
+    return data
 
 
 async def export_state(run_id: str, tracker_url: str, out: Path, token: str | None, timeout_s: float) -> dict:
@@ -51,14 +90,15 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     from crowdtrain import __version__
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.credentials import SigningKey
-    from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest
+    from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest, TokenizerInfo
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.fetch import fetch_state
     from crowdtrain.volunteer.state.snapshot import load_snapshot
 
     key = SigningKey()
     async with TrackerClient(tracker_url, timeout_s=timeout_s) as tracker:
-        await tracker.get_spec(run_id)
+        spec = await tracker.get_spec(run_id)
+        tokenizer = await fetch_tokenizer(tracker, spec)  # (first: a bad one is refused before the state)
         donors = await tracker.donors(run_id)
         if donors.state is None and donors.reason:
             raise StateSyncError(f"run {run_id}: {donors.reason}")
@@ -89,8 +129,14 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
         finally:
             await tracker.leave(run_id, LeaveRequest(peer_id=join.peer_id), key, join.credential)
     loaded = await asyncio.to_thread(load_snapshot, data)
-    info = export_info(run_id, loaded.step, loaded.recipe, loaded.args, donors.state.content_hash)
+    named = spec.dataset.manifest.tokenizer
+    about = None
+    if tokenizer is not None and isinstance(named, TokenizerInfo):
+        about = {"file": tokenizer_path(out).name, "sha256": named.sha256, "vocab_size": named.vocab_size}
+    info = export_info(run_id, loaded.step, loaded.recipe, loaded.args, donors.state.content_hash, about)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        tokenizer_path(out).write_bytes(tokenizer)
     metadata = {"crowdtrain": json.dumps(info, sort_keys=True)}
     # written beside, then moved in place: a keeper's previous checkpoint stays whole until the new one is
     partial = out.with_name(out.name + ".partial")
@@ -176,6 +222,7 @@ def export(
     if wants_json(ctx, json_out):
         typer.echo(json.dumps({**info, "out": str(out)}))
     else:
+        also = f", {tokenizer_path(out)}" if "tokenizer" in info else ""
         typer.echo(
-            f"wrote {out} ({info['recipe']} at global step {info['step']}) and {out.with_suffix('.json')}"
+            f"wrote {out} ({info['recipe']} at global step {info['step']}){also} and {out.with_suffix('.json')}"
         )

@@ -11,7 +11,7 @@ import typer
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
 from crowdtrain.protocol.runcheck import MAX_MICRO_BATCH
-from crowdtrain.publisher import preflight, read_dataset
+from crowdtrain.publisher import preflight, read_dataset, read_tokenizer
 
 app = typer.Typer(help="Publish and inspect training runs on a tracker.", no_args_is_help=True)
 
@@ -34,10 +34,19 @@ def load_spec(path: Path):  # -> RunCreate
         raise ConfigError("SPEC", f"{path} is not valid TOML ({exc})") from None
     if not isinstance(doc.get("dataset"), dict):
         raise ConfigError("dataset", f"{path} needs a [dataset] table with dir = the data-set folder")
+    if "tokenizer" in doc:
+        raise ConfigError(
+            "SPEC",
+            f"{path}: tokenizer is not a run-spec key; `run create` sends the tokenizer.json of [dataset] dir "
+            "when its manifest names one",
+        )
     folder = path.parent / str(doc["dataset"].get("dir"))
     dataset, torrent = read_dataset(doc["dataset"], path.parent)
     doc["dataset"] = dataset
     doc["torrent"] = base64.b64encode(torrent).decode()
+    tokenizer = read_tokenizer(folder.resolve(), dataset["manifest"])
+    if tokenizer is not None:
+        doc["tokenizer"] = base64.b64encode(tokenizer).decode()
     model = doc.get("model")
     if isinstance(model, dict) and not model.get("param_hash"):
         micro = doc.get("micro_batch_size", 8)
