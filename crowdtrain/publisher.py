@@ -137,13 +137,6 @@ def preflight(
     return {**model, "args": args, **hashes, **origin}
 
 
-def param_hash_of(
-    model: dict[str, Any], folder: Path, manifest: dict[str, Any], micro_batch_size: int = 8
-) -> str:
-    """The parameter-schema hash :func:`preflight` computes (after all its checks)."""
-    return preflight(model, folder, manifest, micro_batch_size)["param_hash"]
-
-
 def build_run_create(data_dir: Path, *, name: str, model: dict[str, Any], **settings: Any) -> RunCreate:
     """Read ``data_dir``'s manifest and torrent, fill in the recipe's parameter hash, validate.
 

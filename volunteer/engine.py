@@ -464,23 +464,17 @@ class Volunteer:
                     if cfg.seed is not None
                     else int.from_bytes(bytes.fromhex(self.key.public_hex)[:4])
                 )
-                self.sampler = Sampler(
-                    manifest,
-                    cfg.data_dir,
-                    seed=self.sampler_seed,
-                    seq_len=preflight.window(recipe, self.model_args),
-                    vocab=preflight.vocab_of(recipe, self.model_args),
-                )
+                # windows of seq_len + 1 tokens, ids below vocab: for the training and the held-out sampler
+                cut = {
+                    "seq_len": preflight.window(recipe, self.model_args),
+                    "vocab": preflight.vocab_of(recipe, self.model_args),
+                }
+                self.sampler = Sampler(manifest, cfg.data_dir, seed=self.sampler_seed, **cut)
                 if spec.eval.every:
                     n = len(manifest.chunks)
                     self._holdout = frozenset(range(n - spec.eval.holdout_chunks, n))
-                    self._eval_sampler = Sampler(
-                        manifest,
-                        cfg.data_dir,
-                        seed=spec.seed,  # the run's: every volunteer draws the same held-out samples
-                        seq_len=preflight.window(recipe, self.model_args),
-                        vocab=preflight.vocab_of(recipe, self.model_args),
-                    )
+                    # the run's seed: every volunteer draws the same held-out samples
+                    self._eval_sampler = Sampler(manifest, cfg.data_dir, seed=spec.seed, **cut)
                 self.emit(
                     ev.Joined(
                         run_id=cfg.run_id,
