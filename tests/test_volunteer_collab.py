@@ -153,7 +153,7 @@ async def test_a_micro_batch_longer_than_a_heartbeat_never_closes_a_step_into_an
         async with TrackerClient(run.tracker.url) as client:
             status = await client.status(run.spec.run_id)
     # the premise: a micro-batch (8 samples) took longer than the 0.2 s heartbeat interval
-    assert all(8 / v._samples_per_s > 0.2 for v in vols), [v._samples_per_s for v in vols]
+    assert all(8 / v.samples_per_s > 0.2 for v in vols), [v.samples_per_s for v in vols]
     assert all(s.steps_done == steps and s.steps_missed == 0 for s in summaries), summaries
     assert status.global_step == steps
     assert all(r.samples >= 16 and r.peers == 2 for r in status.recent_steps), status.recent_steps

@@ -1,0 +1,354 @@
+"""Catch-up: a volunteer that is new, or fell behind, fetches the run's newest state from several peers
+while it keeps taking part in its group's rounds with weight 0; the averages it receives meanwhile are kept
+(:class:`Replay`) and replayed once the fetched state is loaded, so it ends exactly where the others are.
+
+When no peer serves the run's state it resumes from its own kept state, the publisher's checkpoint, or the
+initial parameters while the run has taken no step; failing all it waits and says why: a run that has taken
+steps never restarts from the initial parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from crowdtrain.protocol.errors import ProtocolError, StateSyncError, TrackerError
+from crowdtrain.protocol.messages import DonorList
+from crowdtrain.volunteer.joined import JoinedRun
+from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
+from crowdtrain.volunteer.snapshots import Snapshotter
+from crowdtrain.volunteer.state.fetch import fetch_state
+from crowdtrain.volunteer.state.snapshot import SnapshotHeader, read_snapshot_header
+
+# A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
+STATE_POLL_S = 5.0
+WAIT_STATE_S = 2.0  # no peer serves the run's state: ask again this often
+
+
+class Replay:
+    """The averages a catching-up peer receives, kept in files until the fetched state is loaded: a fetch
+    may take several steps, and each held in memory would cost a vector of the model's size."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._steps: dict[int, bool] = {}  # step -> whether averaged parameters came with it
+
+    def __contains__(self, step: int) -> bool:
+        return step in self._steps
+
+    @property
+    def first(self) -> int | None:
+        """The earliest step held (None when empty)."""
+        return min(self._steps, default=None)
+
+    def _path(self, step: int, what: str) -> Path:
+        return self.folder / f"replay-{step}-{what}.f32"
+
+    def put(self, step: int, mean: np.ndarray, params: np.ndarray | None) -> None:
+        """Blocking (writes files): call it in a thread."""
+        mean.tofile(self._path(step, "grad"))
+        if params is not None:
+            params.tofile(self._path(step, "params"))
+        self._steps[step] = params is not None
+
+    def take(self, step: int, into: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """The average (read into ``into`` when given: no vector of the model's size is allocated for it)
+        and the parameters kept for ``step``. Blocking (reads files): call it in a thread."""
+        has_params = self._steps.pop(step)
+        mean = self._read(self._path(step, "grad"), into)
+        params = self._read(self._path(step, "params"), None) if has_params else None
+        return mean, params
+
+    @staticmethod
+    def _read(path: Path, into: np.ndarray | None) -> np.ndarray:
+        with open(path, "rb") as f:
+            if into is None:
+                values = np.fromfile(f, dtype=np.float32)
+            elif f.readinto(memoryview(into).cast("B")) == into.nbytes and not f.read(1):
+                values = into
+            else:
+                raise StateSyncError(f"replay file {path.name} does not hold {into.size} values")
+        path.unlink()
+        return values
+
+    def clear(self) -> None:
+        for step, has_params in self._steps.items():
+            self._path(step, "grad").unlink(missing_ok=True)
+            if has_params:
+                self._path(step, "params").unlink(missing_ok=True)
+        self._steps.clear()
+
+
+class CatchUp:
+    """Fetching the run's state and replaying the steps that passed meanwhile.
+
+    ``drop`` drops the accumulated gradient (computed on parameters that are not the run's)."""
+
+    def __init__(self, run: JoinedRun, rounds: Rounds, snaps: Snapshotter, drop: Callable[[], int]) -> None:
+        self.run = run
+        self.rounds = rounds
+        self.snaps = snaps
+        self._drop = drop
+        self.replay = Replay(run.state_dir)
+        self._pending: asyncio.Task[Path | None] | None = None  # the fetch under way
+        self.waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
+
+    @property
+    def active(self) -> bool:
+        """Catching up: its parameters are not the run's, and nothing it computes counts."""
+        return self._pending is not None
+
+    @property
+    def fetched(self) -> bool:
+        return self._pending is not None and self._pending.done()
+
+    def start(self, after_s: float = 0.0) -> None:
+        if self._pending is None or self._pending.done():
+            self.run.phase("waiting-for-state" if self.waiting is not None else "catching-up")
+            # averages are kept for the replay from the round of this step on (or from the earliest kept)
+            first = self.replay.first
+            replay_from = self.run.pos.step if first is None else first
+            self._pending = asyncio.get_running_loop().create_task(self._fetch(replay_from, after_s))
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def round_failed(self) -> None:
+        """A round failed as a whole: the parameters may differ from the run's; fetch the state."""
+        self.replay.clear()
+        if self.run.config.catch_up:
+            self.start()
+
+    async def keep(self, rnd: Round) -> None:
+        """Keep a finished round's average for the replay (delay 0: the parameters are averaged after the
+        step, here; a catching-up peer only receives)."""
+        params = rnd.params
+        if not self.run.delay and rnd.average_params:
+            params = await self.rounds.average_params(rnd.phases)
+        await asyncio.to_thread(self.replay.put, rnd.step, rnd.mean, params)
+
+    # ------------------------------------------------------------------ fetching
+
+    async def _newest_donors(self, replay_from: int) -> DonorList:
+        """The tracker's donor list, once it lists a state this peer can replay from (of step ≥
+        ``replay_from``). An older one would be fetched for nothing: the averages between its step and
+        ``replay_from`` passed before this peer kept them. Donors write snapshots every few steps (the
+        larger the state, the fewer), so a newcomer usually waits for the next one."""
+        run, said = self.run, False
+        while True:
+            donors = await run.tracker.donors(run.config.run_id)
+            if donors.state is None or donors.state.step >= replay_from:
+                return donors
+            if not said:
+                run.note(
+                    logging.INFO,
+                    "the newest state served is of step %d; waiting for one of step %d or later to fetch",
+                    donors.state.step,
+                    replay_from,
+                )
+                said = True
+            step_s = self.snaps.step_s
+            await asyncio.sleep(min(STATE_POLL_S, max(0.2, step_s / 2)) if step_s else 1.0)
+
+    async def _fetch(self, replay_from: int, after_s: float) -> Path | None:
+        if after_s:
+            await asyncio.sleep(after_s)
+        donors = await self._newest_donors(replay_from)
+        if donors.state is None and donors.serving:
+            raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
+        if donors.state is None or not donors.donors:
+            return None
+        if donors.serving >= 2 and len({d.peer_id for d in donors.donors}) < 2:
+            # never load a state only one peer vouches for when two could
+            raise StateSyncError(
+                f"the tracker lists one donor of state step {donors.state.step} while {donors.serving} peers "
+                "serve state"
+            )
+        run = self.run
+        incoming = run.state_dir / "incoming.safetensors"
+        try:
+            return await fetch_state(
+                donors=donors.donors,
+                version=donors.state,
+                run_id=run.config.run_id,
+                key=run.key,
+                credential=run.credential,
+                config=run.config.state,
+                emit=run.emit,
+                into=incoming,  # written as it is verified: never held in memory whole
+            )
+            # read when the peer switches to it, straight into the model (a copy of the state read now
+            # would be held beside the model meanwhile)
+        except BaseException:
+            incoming.unlink(missing_ok=True)
+            raise
+
+    # ------------------------------------------------------------------ switching to the fetched state
+
+    async def switch(self, conclude: Conclude) -> None:
+        """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
+        with delay 1, once no round is under way), so this peer holds what the others hold."""
+        run = self.run
+        if run.delay and self.rounds.under_way:
+            await conclude(await self.rounds.take_round())  # kept for the replay: still catching up
+        task, self._pending = self._pending, None
+        if task is None:  # (called once a fetch is done: there is one)
+            return
+        fetched: Path | None = None
+        try:
+            fetched = task.result()
+            header = None if fetched is None else await asyncio.to_thread(read_snapshot_header, fetched)
+        except (StateSyncError, TrackerError, ProtocolError) as exc:
+            if fetched is not None:
+                fetched.unlink(missing_ok=True)
+            self.replay.clear()
+            # Its parameters are not the run's: keep taking part with weight 0 and try again.
+            run.note(logging.WARNING, "state catch-up failed (%s); trying again", exc)
+            await asyncio.sleep(1.0)
+            self.start()
+            return
+        if fetched is None or header is None:
+            self.replay.clear()
+            await self._no_donor()
+            return
+        await self._load(fetched, header)
+
+    async def _load(self, fetched: Path, header: SnapshotHeader) -> None:
+        run, replay = self.run, self.replay
+        # The parameters should hold the averages of the steps below ``target``; with delay 1 the average
+        # of step ``target`` is applied when the current step closes, as every peer does.
+        target = max(0, run.pos.step - run.delay)
+        pending_step = target if run.delay and run.pos.step > 0 else None
+        needed = range(header.step, run.pos.step if pending_step is not None else target)
+        missing = [s for s in needed if s not in replay]
+        if missing:
+            await asyncio.to_thread(fetched.unlink, True)
+            replay.clear()
+            run.note(
+                logging.INFO,
+                "state of step %d arrived but steps %s passed unseen; fetching a newer one",
+                header.step,
+                missing,
+            )
+            self.start()
+            return
+        try:
+            loaded = await self.snaps.load(fetched)
+        finally:
+            fetched.unlink(missing_ok=True)  # noqa: ASYNC240 (one file; must go even when cancelled)
+        self._drop()  # (each step replayed would zero it anyway)
+        await self._replay_steps(loaded.step, target)
+        if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
+            run.pos.step = loaded.step + run.delay
+            run.pos.applied = loaded.step
+        else:
+            run.pos.applied = target
+            if pending_step is not None and pending_step >= loaded.step:
+                grad, params = await asyncio.to_thread(replay.take, pending_step)
+                self.rounds.hold(Round.replayed(pending_step, grad, params))  # applied when this step closes
+        replay.clear()
+        self.waiting = None
+        run.summary.caught_up_to = run.pos.step
+        await run.record_params()
+        run.note(
+            logging.INFO,
+            "loaded the state of step %d and replayed %d steps",
+            loaded.step,
+            max(0, target - loaded.step),
+        )
+        run.phase("training")
+
+    async def _replay_steps(self, first: int, end: int) -> None:
+        """Apply the kept averages of steps ``first`` … ``end - 1`` to the loaded state."""
+        run, replay = self.run, self.replay
+        trainer = run.trainer
+        for s in range(first, end):
+            # read into the trainer's own gradient buffer (on a CPU): the replay holds no vector of its own
+            grad, params = await asyncio.to_thread(lambda s=s: replay.take(s, trainer.mean_buffer()))
+            if run.delay and params is not None:
+                await asyncio.to_thread(trainer.set_flat_params, params)
+            await asyncio.to_thread(trainer.apply, grad, s)
+            if not run.delay and params is not None:
+                await asyncio.to_thread(trainer.set_flat_params, params)
+
+    # ------------------------------------------------------------------ no peer serves the state
+
+    async def _no_donor(self) -> None:
+        """No peer serves the run's state. A peer that took steps of this run keeps its parameters. Otherwise
+        the state is this peer's own kept state of the run's step (:meth:`Snapshotter.keep`), else the
+        publisher's checkpoint (``--init-from``, the step gap told), else the initial parameters while the run
+        has taken no step. Failing all, the peer waits, computing nothing, and says why: a run that has taken
+        steps never restarts from the initial parameters."""
+        run = self.run
+        target = max(0, run.pos.step - run.delay)
+        kept = self.snaps.kept_header()  # (its JSON header only: small)
+        if run.summary.steps_done:
+            run.pos.applied = target
+            run.note(logging.WARNING, "no peer serves the run's state; keeping this volunteer's parameters")
+        elif kept is not None and target <= kept.step <= run.pos.step:
+            await self._load_kept(kept.step)
+        elif run.init_step is not None:
+            run.pos.applied = target
+            self._resume_checkpoint(target, run.init_step)
+        elif target == 0:
+            run.pos.applied = 0
+            run.note(logging.INFO, "the run has taken no step yet; training from the initial parameters")
+        else:
+            self._wait(target, kept)
+            return
+        self.waiting = None
+        await run.record_params()
+
+    def _resume_checkpoint(self, target: int, init_step: int) -> None:
+        run = self.run
+        gap = target - init_step
+        run.note(
+            logging.WARNING if gap else logging.INFO,
+            "no peer serves the run's state; resuming from the checkpoint %s of step %d%s",
+            run.config.init_from,
+            init_step,
+            f": the run is at step {target}, so the {gap} steps since are lost (and the optimizer's moments "
+            "start afresh)"
+            if gap > 0
+            else f", beyond the run's step {target}: its weights are taken as the run's state"
+            if gap < 0
+            else "",
+        )
+        self.snaps.serve_now()
+
+    def _wait(self, target: int, kept: SnapshotHeader | None) -> None:
+        run = self.run
+        if self.waiting is None:
+            behind = (
+                f"; this volunteer's own kept state is of step {kept.step}, {target - kept.step} steps behind"
+                if kept is not None and kept.step < target
+                else ""
+            )
+            run_id = run.config.run_id
+            self.waiting = (
+                f"run {run_id} is at step {target} but no peer serves its state{behind}: waiting, "
+                "computing nothing, until a volunteer that kept it returns or the publisher restores a "
+                f"checkpoint (crowdtrain join {run_id} --init-from FILE)"
+            )
+            run.note(logging.WARNING, "%s", self.waiting)
+        self.start(after_s=WAIT_STATE_S)
+
+    async def _load_kept(self, step: int) -> None:
+        """Resume from this peer's own kept state (of the run's step): load it and serve it to others."""
+        run = self.run
+        await self.snaps.load(self.snaps.kept)
+        self._drop()
+        run.pos.applied = step
+        run.summary.caught_up_to = run.pos.step
+        run.note(
+            logging.INFO,
+            "no peer serves the run's state; resumed from this volunteer's own state of step %d (kept in %s)",
+            step,
+            self.snaps.kept,
+        )
+        self.snaps.serve_now()

@@ -1,0 +1,69 @@
+"""The volunteer's own figures: compute rate, loss, and the share of its time that counted.
+
+The compute rate a peer reports (the tracker shares each step out by it) is samples ÷ seconds over its last
+RATE_WINDOW micro-batches, not a smoothing that weighs the last few most: where peers share cores, the last to
+finish a step computes alone and fast for a moment, and a rate taken there would allot it more of the next
+step, which it then finishes last again while the others wait.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+RATE_WINDOW = 16
+
+
+class Meter:
+    """Rate, loss and compute share of one volunteer, fed by its training loop and its applied steps."""
+
+    def __init__(self) -> None:
+        self._window: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (samples, seconds)
+        self.loss_ema: float | None = None
+        self._step_loss = (0.0, 0)  # Σ loss × samples and samples of the micro-batches toward this step
+        self._step_compute_s = 0.0  # behind the gradient accumulated for the current step
+        # compute share: seconds computing gradients that entered an average, since the first micro-batch
+        self._t0: float | None = None
+        self._useful_s = 0.0
+
+    def start(self, started: float) -> None:
+        """A micro-batch starts (monotonic seconds): the compute share counts from the first."""
+        if self._t0 is None:
+            self._t0 = started
+
+    def computed(self, samples: int, loss: float, started: float, now: float) -> None:
+        """One micro-batch of ``samples`` computed from ``started`` to ``now`` (monotonic seconds)."""
+        self._step_compute_s += now - started
+        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        self._step_loss = (self._step_loss[0] + loss * samples, self._step_loss[1] + samples)
+        self._window.append((samples, now - started))
+
+    @property
+    def samples_per_s(self) -> float:
+        """Compute throughput (not counting waits) over the last RATE_WINDOW micro-batches (0 before the
+        first): what this peer's share of a step is made of."""
+        if not self._window:
+            return 0.0
+        return sum(n for n, _ in self._window) / max(sum(s for _, s in self._window), 1e-6)
+
+    def take_step(self) -> tuple[float | None, float]:
+        """The mean loss and compute seconds of the step's micro-batches, which start afresh."""
+        (loss_sum, loss_n), compute_s = self._step_loss, self._step_compute_s
+        self.drop_step()
+        return (loss_sum / loss_n if loss_n else None), compute_s
+
+    def drop_step(self) -> None:
+        self._step_loss = (0.0, 0)
+        self._step_compute_s = 0.0
+
+    def counted(self, compute_s: float) -> None:
+        """``compute_s`` seconds of compute entered an applied average."""
+        self._useful_s += compute_s
+
+    def compute_share(self) -> float | None:
+        """Share of the wall time since the first micro-batch spent computing gradients that entered an
+        average (a step applied with this peer's samples in it)."""
+        if self._t0 is None:
+            return None
+        elapsed = time.monotonic() - self._t0
+        return min(1.0, self._useful_s / elapsed) if elapsed > 0 else None

@@ -1,0 +1,226 @@
+"""A step's averaging as one volunteer takes part in it: the gradient handed over, all-reduced over the
+step's phases, and applied (with the parameters averaged every ``average_state_every`` steps).
+
+With the run's ``averaging.delay = 1`` a round runs in the background while the next step's gradients are
+computed on the same parameters, and its average is applied when that next step closes: :class:`Rounds`
+holds that round and the gradient computed ahead for the next step (``early``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from crowdtrain.protocol.errors import AveragingError
+from crowdtrain.protocol.messages import GroupAssignment
+from crowdtrain.volunteer.averaging.allreduce import part_bounds
+from crowdtrain.volunteer.joined import JoinedRun
+from crowdtrain.volunteer.meter import Meter
+from crowdtrain.volunteer.trainer import all_finite
+
+
+@dataclass(slots=True)
+class Taken:
+    """A step's gradient, taken out of the accumulation at its boundary (or, with delay 1, as soon as this
+    peer's share of the step was computed)."""
+
+    step: int
+    weight: int  # this peer's samples in it
+    compute_s: float
+    loss: float | None
+    grad: np.ndarray
+
+
+@dataclass(slots=True)
+class Round:
+    """One step's averaging as this peer takes part in it."""
+
+    step: int
+    phases: list[GroupAssignment]
+    weight: int  # this peer's samples in it
+    catching_up: bool  # started while catching up: weight 0, its average is kept for the replay
+    compute_s: float  # seconds of compute behind the gradient it contributes
+    loss: float | None
+    started: float  # monotonic
+    mean: np.ndarray | None = None  # the averaged gradient (None: the round failed)
+    params: np.ndarray | None = None  # averaged parameters, when the round averages them
+    error: str | None = None  # why it failed as a whole
+
+    @property
+    def group_samples(self) -> int:
+        if not self.phases:  # a round replayed after a catch-up
+            return 0
+        return self.phases[0].step_samples or sum(m.weight for m in self.phases[0].members)
+
+    @property
+    def average_params(self) -> bool:
+        return bool(self.phases) and self.phases[0].average_params
+
+    @classmethod
+    def replayed(cls, step: int, mean: np.ndarray, params: np.ndarray | None) -> Round:
+        """A round whose average arrived while catching up, to be applied when the current step closes."""
+        return cls(step, [], 0, False, 0.0, None, time.monotonic(), mean=mean, params=params)
+
+
+Conclude = Callable[[Round | None], Awaitable[None]]
+
+
+class Rounds:
+    """The rounds of one volunteer: hand-over, all-reduce phases, apply; with delay 1, the round under way
+    in the background and the gradient taken early."""
+
+    def __init__(self, run: JoinedRun, meter: Meter) -> None:
+        self.run = run
+        self.meter = meter
+        self._task: asyncio.Future[Round] | None = None  # delay 1: the step averaged in the background
+        self.early: Taken | None = None  # delay 1: this step's gradient, taken once its share was computed
+        self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
+        self._mean_bufs: list[np.ndarray | None] = [None, None]  # the mean lands here, phase by phase
+
+    # ------------------------------------------------------------------ the round in the background
+
+    def settled(self) -> bool:
+        return self._task is None or self._task.done()
+
+    @property
+    def under_way(self) -> bool:
+        return self._task is not None
+
+    async def take_round(self) -> Round | None:
+        task, self._task = self._task, None
+        return None if task is None else await task
+
+    def hold(self, rnd: Round) -> None:
+        """Apply ``rnd`` when the current step closes (a round replayed after a catch-up)."""
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(rnd)
+        self._task = done
+
+    def cancel(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    # ------------------------------------------------------------------ one round
+
+    async def hand_over(self, catching_up: bool, conclude: Conclude) -> Taken:
+        """Take the step's gradient out of the accumulation. With delay 1 the previous step's average is
+        applied right after (its round is awaited first: it reads the buffer this gradient goes to)."""
+        run = self.run
+        trainer = run.trainer
+        loss, compute_s = self.meter.take_step()
+        weight = 0 if catching_up else trainer.samples
+        previous = await self.take_round() if run.delay else None
+        if (run.delay or trainer.device.type != "cpu") and self._grad_buf is None:
+            # a reused float32 host buffer of the model's size (pinned on a GPU: device copies run async)
+            pinned = trainer.device.type == "cuda"
+            self._grad_buf = torch.empty(trainer.numel, dtype=torch.float32, pin_memory=pinned).numpy()
+        # delay 1: the gradient goes to a buffer of its own (the next step accumulates meanwhile); on the
+        # CPU without delay, the accumulation buffer itself is handed to the all-reduce (no copy)
+        grad = await asyncio.to_thread(trainer.take_grad, self._grad_buf)
+        if previous is not None:
+            await conclude(previous)
+        if catching_up:
+            loss, compute_s = None, 0.0
+        return Taken(step=run.pos.step, weight=weight, compute_s=compute_s, loss=loss, grad=grad)
+
+    def start(self, rnd: Round, grad: np.ndarray) -> None:
+        """Delay 1: average ``rnd`` in the background; it is applied when the next step closes."""
+        self._task = asyncio.get_running_loop().create_task(self.average(rnd, grad))
+
+    async def average(self, rnd: Round, grad: np.ndarray) -> Round:
+        """All-reduce the step's gradient over its phases (and, with delay 1 on an averaging step, the
+        parameters the gradient was computed on)."""
+        try:
+            # The mean lands in buffers reused every step (the trainer copies it into .grad), except while
+            # catching up: those averages are kept for the replay.
+            mean, failed = await self._phases(rnd.phases, grad, "grad", reuse=not rnd.catching_up)
+        except AveragingError as exc:
+            rnd.error = str(exc)
+            return rnd
+        if failed:
+            self.run.note(
+                logging.WARNING,
+                "step %d: parts of the gradient were not averaged (their owner failed): %s; skipping them",
+                rnd.step,
+                "; ".join(failed),
+            )
+        rnd.mean = mean
+        if self.run.delay and rnd.average_params:
+            rnd.params = await self.average_params(rnd.phases)
+        return rnd
+
+    async def apply(self, rnd: Round, stepping: Callable[[], AbstractAsyncContextManager[None]]) -> float:
+        """Apply a finished round's average to the model, each change of the tensors inside ``stepping``
+        (the snapshotter's: no write reads them meanwhile, and a state is not kept half-changed); returns
+        the learning rate it was applied with."""
+        run = self.run
+        trainer = run.trainer
+        async with stepping():
+            if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
+                await asyncio.to_thread(trainer.set_flat_params, rnd.params)
+            lr = await asyncio.to_thread(trainer.apply, rnd.mean, rnd.step)
+        if not run.delay and rnd.average_params:
+            params = await self.average_params(rnd.phases)
+            if params is not None:
+                async with stepping():
+                    await asyncio.to_thread(trainer.set_flat_params, params)
+        return lr
+
+    async def _phases(
+        self, phases: list[GroupAssignment], vector: np.ndarray, tag: str, *, reuse: bool
+    ) -> tuple[np.ndarray, list[str]]:
+        """Run the step's phases in order, each phase's mean the next one's input, with this peer's weight
+        in each; after the last, every peer of the step holds the same weighted mean. Without delay, each
+        mean of the gradient overwrites the vector it is made of (nothing reads the gradient again, and no
+        buffer of the model's size is needed; a catching-up peer writes it to its replay file before it
+        accumulates again); with delay 1 and ``reuse`` the means land in two buffers kept between steps (the
+        gradient's buffer receives the next step's gradient before this mean is applied).
+
+        A part whose owner failed keeps its local values, which are this peer's alone: they are zeroed, as
+        every member that lost the same owner does, so the group stays equal (the failures are returned,
+        one phrase each)."""
+        run = self.run
+        values, failed = vector, []
+        for i, a in enumerate(phases):
+            [me] = [m for m in a.members if m.peer_id == run.peer_id]
+            out = None
+            if not run.delay and tag == "grad":
+                out = values
+            elif reuse:
+                buf = self._mean_bufs[i % 2]
+                if buf is None or buf.size != vector.size:
+                    buf = self._mean_bufs[i % 2] = np.empty_like(vector)
+                out = buf
+            # a tag per phase: a lossy codec's error feedback stays within what each phase sends
+            phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
+            result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
+            if result.failed_parts:
+                bounds = part_bounds(result.values.size, a.parts)
+                for part in result.failed_parts:
+                    result.values[bounds[part][0] : bounds[part][1]] = 0.0
+                failed.append(f"phase {a.phase + 1} of {a.phases}, parts {list(result.failed_parts)}")
+            values = result.values
+        return values, failed
+
+    async def average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
+        """Average parameters over the step's peers, in the same phases and with the same weights as the
+        gradient (a peer with weight 0, e.g. catching up, only receives): heals any drift. None if nothing
+        usable came back."""
+        run = self.run
+        params = await asyncio.to_thread(run.trainer.flat_params)
+        try:
+            values, failed = await self._phases(phases, params, "params", reuse=False)
+        except AveragingError as exc:
+            run.note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
+            return None
+        if failed or not all_finite(values):
+            run.note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
+            return None
+        return values
