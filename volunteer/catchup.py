@@ -68,7 +68,7 @@ class Replay:
         with open(path, "rb") as f:
             if into is None:
                 values = np.fromfile(f, dtype=np.float32)
-            elif f.readinto(memoryview(into).cast("B")) == into.nbytes and not f.read(1):
+            elif f.readinto(into.data.cast("B")) == into.nbytes and not f.read(1):
                 values = into
             else:
                 raise StateSyncError(f"replay file {path.name} does not hold {into.size} values")
@@ -124,13 +124,13 @@ class CatchUp:
         if self.run.config.catch_up:
             self.start()
 
-    async def keep(self, rnd: Round) -> None:
-        """Keep a finished round's average for the replay (delay 0: the parameters are averaged after the
+    async def keep(self, rnd: Round, mean: np.ndarray) -> None:
+        """Keep a finished round's average ``mean`` for the replay (delay 0: the parameters are averaged after the
         step, here; a catching-up peer only receives)."""
         params = rnd.params
         if not self.run.delay and rnd.average_params:
             params = await self.rounds.average_params(rnd.phases)
-        await asyncio.to_thread(self.replay.put, rnd.step, rnd.mean, params)
+        await asyncio.to_thread(self.replay.put, rnd.step, mean, params)
 
     # ------------------------------------------------------------------ fetching
 
@@ -172,7 +172,7 @@ class CatchUp:
         run = self.run
         incoming = run.state_dir / "incoming.safetensors"
         try:
-            return await fetch_state(
+            fetched = await fetch_state(
                 donors=donors.donors,
                 version=donors.state,
                 run_id=run.config.run_id,
@@ -182,11 +182,12 @@ class CatchUp:
                 emit=run.emit,
                 into=incoming,  # written as it is verified: never held in memory whole
             )
-            # read when the peer switches to it, straight into the model (a copy of the state read now
-            # would be held beside the model meanwhile)
         except BaseException:
             incoming.unlink(missing_ok=True)
             raise
+        # read when the peer switches to it, straight into the model (a copy of the state read now would be
+        # held beside the model meanwhile)
+        return incoming if isinstance(fetched, Path) else None
 
     # ------------------------------------------------------------------ switching to the fetched state
 
@@ -269,7 +270,7 @@ class CatchUp:
         trainer = run.trainer
         for s in range(first, end):
             # read into the trainer's own gradient buffer (on a CPU): the replay holds no vector of its own
-            grad, params = await asyncio.to_thread(lambda s=s: replay.take(s, trainer.mean_buffer()))
+            grad, params = await asyncio.to_thread(replay.take, s, trainer.mean_buffer())
             if run.delay and params is not None:
                 await asyncio.to_thread(trainer.set_flat_params, params)
             await asyncio.to_thread(trainer.apply, grad, s)

@@ -413,10 +413,10 @@ class Training:
             self.catchup.round_failed()
             return
         if self.catchup.active:
-            await self.catchup.keep(rnd)
+            await self.catchup.keep(rnd, rnd.mean)
             return
         run.phase("stepping")
-        lr = await self.rounds.apply(rnd, self.snaps.stepping)
+        lr = await self.rounds.apply(rnd, rnd.mean, self.snaps.stepping)
         run.pos.applied = rnd.step + 1
         run.summary.steps_done += 1
         if rnd.weight > 0:

@@ -156,8 +156,10 @@ class Rounds:
             rnd.params = await self.average_params(rnd.phases)
         return rnd
 
-    async def apply(self, rnd: Round, stepping: Callable[[], AbstractAsyncContextManager[None]]) -> float:
-        """Apply a finished round's average to the model, each change of the tensors inside ``stepping``
+    async def apply(
+        self, rnd: Round, mean: np.ndarray, stepping: Callable[[], AbstractAsyncContextManager[None]]
+    ) -> float:
+        """Apply a finished round's average ``mean`` to the model, each change of the tensors inside ``stepping``
         (the snapshotter's: no write reads them meanwhile, and a state is not kept half-changed); returns
         the learning rate it was applied with."""
         run = self.run
@@ -165,7 +167,7 @@ class Rounds:
         async with stepping():
             if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
                 await asyncio.to_thread(trainer.set_flat_params, rnd.params)
-            lr = await asyncio.to_thread(trainer.apply, rnd.mean, rnd.step)
+            lr = await asyncio.to_thread(trainer.apply, mean, rnd.step)
         if not run.delay and rnd.average_params:
             params = await self.average_params(rnd.phases)
             if params is not None:
