@@ -231,7 +231,7 @@ def test_render_shows_each_panels_figures():
 def test_render_while_catching_up_shows_download_progress():
     state = fold(script()[:4])  # joined late, state download a quarter done
     text = record(render(state))
-    assert state.syncing
+    assert state.sync.syncing
     assert has(text, "catching up ████░░░░░░░░░░░░ 2.0 MB/8.0 MB")
     assert has(text, "download 1.0 MB/s, eta 6.00 s, 2 donors")
     assert has(text, "phase catching-up")
@@ -239,7 +239,7 @@ def test_render_while_catching_up_shows_download_progress():
 
     loaded = fold(script()[4:6], state)  # a donor banned, then the state arrives
     text = record(render(loaded))
-    assert not loaded.syncing
+    assert not loaded.sync.syncing
     assert has(text, "state step 40 · ab12cd34ef56")
     assert has(text, "lag 0 steps (in sync)")
     assert "catching up" not in text
@@ -286,8 +286,10 @@ def test_apply_returns_a_new_snapshot():
     joined = script()[0]
     after = apply(state, joined)
     assert state == ViewState() and after is not state
-    assert (after.peer_id, after.global_step, after.target, after.joined_at) == ("p-carol", 40, 256, T0)
-    assert after.local_step is None and after.lag is None  # joined at step 40: unknown until state loads
+    header, collab = after.header, after.collab
+    assert (header.peer_id, collab.global_step, collab.target, header.joined_at) == ("p-carol", 40, 256, T0)
+    # joined at step 40: unknown until state loads
+    assert after.training.local_step is None and after.lag is None
 
 
 def test_derived_figures_over_recent_steps():
@@ -296,9 +298,9 @@ def test_derived_figures_over_recent_steps():
         for i, (c, s) in enumerate([(10, 2.0), (30, 4.0), (50, 6.0)])
     ]
     state = fold(steps)
-    assert state.contribution_share == pytest.approx(0.3)
-    assert state.step_time_s == pytest.approx(4.0)
-    assert (state.local_step, state.global_step, state.lag) == (3, 3, 0)
+    assert state.training.contribution_share == pytest.approx(0.3)
+    assert state.training.step_time_s == pytest.approx(4.0)
+    assert (state.training.local_step, state.collab.global_step, state.lag) == (3, 3, 0)
     state = apply(
         state,
         ev.Progress(
@@ -318,7 +320,7 @@ def test_derived_figures_over_recent_steps():
     many = fold(
         ev.StepDone(t=T0 + i, step=i, lr=1e-3, contributed_samples=1, group_samples=4, step_time_s=1.0)
         for i in range(50)
-    )
+    ).training
     assert len(many.recent_steps) == 10 and many.recent_steps[-1].step == 49 and many.steps_done == 50
 
 
@@ -396,14 +398,14 @@ def test_absurd_etas_are_shown_as_unknown_and_durations_in_human_units():
 
 
 def test_compute_share_in_the_live_view():
-    assert fold([]).compute_share is None
+    assert fold([]).training.compute_share is None
     assert has(record(render(fold([step_done(None)]))), "compute —")
     state = fold([local_training(0.5, T0), step_done(0.87, T0 + 1)])
-    assert state.compute_share == 0.87
+    assert state.training.compute_share == 0.87
     assert has(record(render(state)), "compute 87%")
     later = fold([local_training(None, T0 + 2), step_done(None, T0 + 3)], state)
-    assert later.compute_share == 0.87  # an event that does not know it keeps the last figure
-    assert fold([local_training(0.61, T0 + 4)], later).compute_share == 0.61
+    assert later.training.compute_share == 0.87  # an event that does not know it keeps the last figure
+    assert fold([local_training(0.61, T0 + 4)], later).training.compute_share == 0.61
 
 
 def test_status_shows_each_peers_compute_share():
@@ -465,8 +467,8 @@ def test_loss_history_and_log_tail_are_bounded():
         for i in range(LOSS_POINTS + 25)
     ] + [ev.LogLine(t=T0 + 100 + i, level="info", message=f"line {i}") for i in range(LOG_LINES + 4)]
     state = fold(events)
-    assert len(state.loss_history) == LOSS_POINTS
-    assert state.loss_history[-1] == pytest.approx(10.0 - (LOSS_POINTS + 24) * 0.01)
+    assert len(state.training.loss_history) == LOSS_POINTS
+    assert state.training.loss_history[-1] == pytest.approx(10.0 - (LOSS_POINTS + 24) * 0.01)
     assert [e.message for e in state.log] == [f"line {i}" for i in range(4, LOG_LINES + 4)]
 
 
@@ -753,7 +755,7 @@ async def test_sink_live_refresh_rate_is_bounded():
     await task
     elapsed = time.monotonic() - started
     assert sink.events_applied == len(events)
-    assert sink.state.micro_batches == 2999
+    assert sink.state.training.micro_batches == 2999
     assert 2 <= sink.renders <= len(events)
     assert sink.renders <= hz * elapsed + 1, (sink.renders, elapsed)
 
@@ -842,10 +844,10 @@ def test_view_imports_no_engine_and_events_import_no_rich():
     assert "rich" not in mods
 
 
+# Run with the repository root as its working directory, where ``python -c`` finds ``tests`` as the suite does.
 PTY_SCRIPT = """
 import asyncio, sys
-sys.path.insert(0, {tests!r})
-from test_view import script
+from tests.test_view import script
 from crowdtrain.volunteer.view.live import ViewSink, choose_mode
 
 async def main():
@@ -872,10 +874,15 @@ def test_live_view_in_a_real_terminal():
 
     leader, follower = os.openpty()
     env = dict(os.environ, COLUMNS="100", LINES="60", TERM="xterm-256color")
-    code = PTY_SCRIPT.format(tests=str(Path(__file__).parent))
+    root = Path(__file__).resolve().parent.parent
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=follower, stdout=follower, stderr=follower, env=env
+            [sys.executable, "-c", PTY_SCRIPT],
+            stdin=follower,
+            stdout=follower,
+            stderr=follower,
+            env=env,
+            cwd=root,
         )
         os.close(follower)
         chunks = []
@@ -934,9 +941,13 @@ async def test_a_malformed_event_does_not_stop_the_sink(caplog):
 def test_render_client_mode_and_a_clean_round():
     state = fold(script()[:-1])
     clean = dataclasses.replace(
-        state.last_round, my_part=-1, dropped=(), clipped=(), failed_parts=(), phases={}
+        state.averaging.last_round, my_part=-1, dropped=(), clipped=(), failed_parts=(), phases={}
     )
-    state = dataclasses.replace(state, last_round=clean, address=None)
+    state = dataclasses.replace(
+        state,
+        averaging=dataclasses.replace(state.averaging, last_round=clean),
+        header=dataclasses.replace(state.header, address=None),
+    )
     text = record(render(state))
     assert has(text, "mode client (sends only)")
     assert has(text, "members p-alice, p-bob, p-carol (client mode: sent only)")

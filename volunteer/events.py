@@ -272,7 +272,7 @@ def no_emit(event: Event) -> None:
 
 
 def to_dict(event: Event) -> dict[str, Any]:
-    data = {"event": type(event).__name__}
+    data: dict[str, Any] = {"event": type(event).__name__}
     for f in dataclasses.fields(event):
         value = getattr(event, f.name)
         data[f.name] = list(value) if isinstance(value, tuple) else value

@@ -36,21 +36,22 @@ class DemoRow:
 
     @classmethod
     def from_state(cls, name: str, state: ViewState) -> DemoRow:
-        r = state.last_round
+        r = state.averaging.last_round
+        header, training, data, sync = state.header, state.training, state.data, state.sync
         return cls(
             name=name,
-            phase=state.phase,
-            step=state.local_step,
+            phase=header.phase,
+            step=training.local_step,
             lag=state.lag,
-            chunks_held=state.chunks_held,
-            chunks_total=state.chunks_total,
-            samples_per_s=state.local_samples_per_s if state.micro_batches else None,
-            loss=state.loss,
+            chunks_held=data.chunks_held,
+            chunks_total=data.chunks_total,
+            samples_per_s=training.local_samples_per_s if training.micro_batches else None,
+            loss=training.loss,
             last_round_step=None if r is None else r.step,
             last_round_s=None if r is None else r.duration_s,
             last_round_ratio=None if r is None else r.compression_ratio,
-            sync_fraction=state.sync_fraction if state.syncing else None,
-            note=state.left_reason or "",
+            sync_fraction=sync.sync_fraction if sync.syncing else None,
+            note=header.left_reason or "",
         )
 
 
@@ -98,5 +99,6 @@ def volunteers_table(rows: Sequence[DemoRow]) -> Table:
 
 def render_demo(collab_state: ViewState, volunteer_rows: Sequence[DemoRow]) -> RenderableType:
     """The run's collaboration panel (from ``collab_state``) above one table row per volunteer."""
-    title = f"collaboration · {collab_state.run_name}" if collab_state.run_name else "collaboration"
+    run_name = collab_state.header.run_name
+    title = f"collaboration · {run_name}" if run_name else "collaboration"
     return Group(collaboration_panel(collab_state, title), volunteers_table(volunteer_rows))

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import IO, TextIO
 
 from rich.console import Console, RenderableType
 from rich.live import Live
@@ -100,7 +100,7 @@ class ViewSink:
         out = sys.stdout if out is None else out
         if isinstance(out, Console):
             self.console = out
-            self._stream: TextIO = out.file
+            self._stream: IO[str] = out.file
         else:
             self.console = Console(file=out)
             self._stream = out

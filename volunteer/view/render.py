@@ -20,6 +20,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from crowdtrain.volunteer.events import RoundDone
 from crowdtrain.volunteer.view.fmt import (
     MISSING,
     fmt_bytes,
@@ -34,7 +35,9 @@ from crowdtrain.volunteer.view.fmt import (
     short_hash,
     short_id,
 )
-from crowdtrain.volunteer.view.lines import round_trouble, stamp
+from crowdtrain.volunteer.view.lines import stamp
+from crowdtrain.volunteer.view.panels import Training
+from crowdtrain.volunteer.view.sentences import round_trouble
 from crowdtrain.volunteer.view.state import ViewState
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -144,6 +147,7 @@ def _ids(ids: Sequence[str]) -> str:
 
 
 def header(state: ViewState, now: float | None) -> Panel:
+    h = state.header
     lines = [Text(), Text()]
 
     def part(line: int, label: str, value: str, style: str = "bold") -> None:
@@ -153,162 +157,161 @@ def header(state: ViewState, now: float | None) -> Panel:
         text.append(label + " ", style="dim")
         text.append(value, style=style)
 
-    if state.run_id:
-        part(0, "run", state.run_id)
-        part(0, "peer", state.peer_id, "bold cyan")
-        part(0, "tracker", state.tracker)
-        part(1, "device", state.device)
-        if state.address is None:
+    if h.run_id:
+        part(0, "run", h.run_id)
+        part(0, "peer", h.peer_id, "bold cyan")
+        part(0, "tracker", h.tracker)
+        part(1, "device", h.device)
+        if h.address is None:
             part(1, "mode", "client (sends only)")
         else:
-            label = {True: "reachable at", False: "not reachable at"}.get(state.reachable, "address")
-            part(1, label, state.address)
-        part(1, "up", fmt_uptime(state.uptime(now)))
+            label = {True: "reachable at", False: "not reachable at", None: "address"}[h.reachable]
+            part(1, label, h.address)
+        part(1, "up", fmt_uptime(h.uptime(now)))
     else:
         lines[0].append("joining the run…", style="dim")
-    part(1, "phase", state.phase, "bold magenta")
-    if state.left_reason:
-        part(1, "left", state.left_reason, "yellow")
-    if state.reach_text:
-        lines.append(Text(state.reach_text, style="yellow" if state.reach_level == "warning" else "dim"))
-    if state.notice:
-        lines.append(Text(f"run: {state.notice}", style="bold yellow"))
-    title = f"crowdtrain · {state.run_name}" if state.run_name else "crowdtrain"
+    part(1, "phase", h.phase, "bold magenta")
+    if h.left_reason:
+        part(1, "left", h.left_reason, "yellow")
+    if h.reach_text:
+        lines.append(Text(h.reach_text, style="yellow" if h.reach_level == "warning" else "dim"))
+    if h.notice:
+        lines.append(Text(f"run: {h.notice}", style="bold yellow"))
+    title = f"crowdtrain · {h.run_name}" if h.run_name else "crowdtrain"
     return Panel(Group(*lines), title=title, title_align="left", border_style="bold blue")
 
 
 def collaboration_rows(state: ViewState) -> list[Row]:
-    target = f"{state.samples}/{state.target}" if state.target else MISSING
-    peers = str(state.peers_online)
-    if state.reachable is False:
+    c = state.collab
+    target = f"{c.samples}/{c.target}" if c.target else MISSING
+    peers = str(c.peers_online)
+    if state.header.reachable is False:
         peers += " (this machine is not reachable)"
     return [
-        ("global step", _value(MISSING if state.global_step is None else str(state.global_step))),
-        ("batch", _with_bar(state.target_fraction, target)),
+        ("global step", _value(MISSING if c.global_step is None else str(c.global_step))),
+        ("batch", _with_bar(c.target_fraction, target)),
         ("peers online", _value(peers)),
-        ("run speed", _value(fmt_speed(state.run_samples_per_s))),
-        ("step time", _value(fmt_duration(state.step_time_s))),
-        ("next step in", _value(fmt_eta(state.eta_s, state.run_samples_per_s))),
+        ("run speed", _value(fmt_speed(c.run_samples_per_s))),
+        ("step time", _value(fmt_duration(state.training.step_time_s))),
+        ("next step in", _value(fmt_eta(c.eta_s, c.run_samples_per_s))),
     ]
 
 
 def local_rows(state: ViewState) -> list[Row]:
-    loss = Text.assemble((fmt_float(state.loss), "bold"), " ", (sparkline(state.loss_history), "cyan"))
-    share = state.contribution_share
+    t = state.training
+    loss = Text.assemble((fmt_float(t.loss), "bold"), " ", (sparkline(t.loss_history), "cyan"))
+    share = t.contribution_share
     share_text = fmt_percent(share)
     if share is not None:
-        share_text += f" (last {_plural(len(state.recent_steps), 'step')})"
+        share_text += f" (last {_plural(len(t.recent_steps), 'step')})"
+    steps = f"{t.steps_done} done, {t.steps_missed} missed"
+    if t.samples_dropped:
+        steps += f" ({t.samples_dropped} dropped)"
     return [
         ("loss", loss),
-        ("speed", _value(fmt_speed(state.local_samples_per_s) if state.micro_batches else MISSING)),
-        ("compute", _value(fmt_percent(state.compute_share))),
-        ("this step", _value(_plural(state.local_samples, "sample"))),
+        ("speed", _value(fmt_speed(t.local_samples_per_s) if t.micro_batches else MISSING)),
+        ("compute", _value(fmt_percent(t.compute_share))),
+        ("this step", _value(_plural(t.local_samples, "sample"))),
         ("my share", _value(share_text)),
-        (
-            "steps",
-            _value(
-                f"{state.steps_done} done, {state.steps_missed} missed"
-                + (f" ({state.samples_dropped} dropped)" if state.samples_dropped else "")
-            ),
-        ),
-        ("lr", _value(MISSING if state.lr is None else f"{state.lr:.3g}")),
-        *_held_out_rows(state),
+        ("steps", _value(steps)),
+        ("lr", _value(MISSING if t.lr is None else f"{t.lr:.3g}")),
+        *_held_out_rows(t),
     ]
 
 
-def _held_out_rows(state: ViewState) -> list[Row]:
+def _held_out_rows(training: Training) -> list[Row]:
     """The newest held-out evaluation: its loss and step, then up to three of the recipe's metrics."""
-    if state.held_out is None:
+    if training.held_out is None:
         return []
-    step, loss, metrics = state.held_out
-    rows = [("held-out", _value(f"{fmt_float(loss)} (step {step})"))]
+    step, loss, metrics = training.held_out
+    rows: list[Row] = [("held-out", _value(f"{fmt_float(loss)} (step {step})"))]
     return rows + [(name[:12], _value(f"{value:.4g}")) for name, value in sorted(metrics.items())[:3]]
 
 
 def data_rows(state: ViewState) -> list[Row]:
-    chunks = f"{state.chunks_held}/{state.chunks_total}" if state.chunks_total else MISSING
-    ratio = state.seeding_ratio
+    d = state.data
+    chunks = f"{d.chunks_held}/{d.chunks_total}" if d.chunks_total else MISSING
+    ratio = d.seeding_ratio
     seeding = MISSING if ratio is None else f"{ratio:.2f}"
     return [
-        ("chunks", _with_bar(state.chunks_fraction, chunks)),
-        ("down", _value(f"{fmt_rate(state.download_rate)} ({fmt_bytes(state.downloaded)} in all)")),
-        ("up", _value(f"{fmt_rate(state.upload_rate)} ({fmt_bytes(state.uploaded)} in all)")),
-        ("swarm", _value(f"{_plural(state.swarm_peers, 'peer')}, {_plural(state.swarm_seeds, 'seed')}")),
+        ("chunks", _with_bar(d.chunks_fraction, chunks)),
+        ("down", _value(f"{fmt_rate(d.download_rate)} ({fmt_bytes(d.downloaded)} in all)")),
+        ("up", _value(f"{fmt_rate(d.upload_rate)} ({fmt_bytes(d.uploaded)} in all)")),
+        ("swarm", _value(f"{_plural(d.swarm_peers, 'peer')}, {_plural(d.swarm_seeds, 'seed')}")),
         ("seed ratio", _value(seeding)),
     ]
 
 
-def sync_rows(state: ViewState) -> list[Row]:
-    version = MISSING if state.local_step is None else f"step {state.local_step}"
-    if state.state_hash and state.state_step == state.local_step:
-        version += f" · {short_hash(state.state_hash)}"
-    lag = state.lag
+def _lag_text(lag: int | None) -> Text:
     if lag is None:
-        lag_text = _value(MISSING)
-    elif lag == 0:
-        lag_text = _value("0 steps (in sync)", "bold green")
-    else:
-        lag_text = _value(f"{_plural(lag, 'step')} behind", "bold yellow")
-    rows: list[Row] = [("state", _value(version)), ("lag", lag_text)]
-    if state.syncing:
-        done = f"{fmt_bytes(state.sync_done_bytes)}/{fmt_bytes(state.sync_total_bytes)}"
-        rows.append(("catching up", _with_bar(state.sync_fraction, done)))
-        rows.append(
-            (
-                "download",
-                _value(
-                    f"{fmt_rate(state.sync_rate)}, eta {fmt_eta(state.sync_eta_s, state.sync_rate)}, "
-                    f"{state.donors_active} donors"
-                ),
-            )
-        )
-    elif state.last_sync_s is not None:
-        rows.append(("caught up in", _value(fmt_duration(state.last_sync_s))))
-    if state.served_step is not None:
-        rows.append(("serving", _value(f"step {state.served_step} ({fmt_bytes(state.served_size)})")))
-    if state.donors_banned:
-        reason = state.donors_banned[-1][1]
-        banned = f"{_ids([d for d, _ in state.donors_banned])}: {reason}"
+        return _value(MISSING)
+    if lag == 0:
+        return _value("0 steps (in sync)", "bold green")
+    return _value(f"{_plural(lag, 'step')} behind", "bold yellow")
+
+
+def sync_rows(state: ViewState) -> list[Row]:
+    s, local_step = state.sync, state.training.local_step
+    version = MISSING if local_step is None else f"step {local_step}"
+    if s.state_hash and s.state_step == local_step:
+        version += f" · {short_hash(s.state_hash)}"
+    rows: list[Row] = [("state", _value(version)), ("lag", _lag_text(state.lag))]
+    if s.syncing:
+        done = f"{fmt_bytes(s.sync_done_bytes)}/{fmt_bytes(s.sync_total_bytes)}"
+        rows.append(("catching up", _with_bar(s.sync_fraction, done)))
+        eta = fmt_eta(s.sync_eta_s, s.sync_rate)
+        rows.append(("download", _value(f"{fmt_rate(s.sync_rate)}, eta {eta}, {s.donors_active} donors")))
+    elif s.last_sync_s is not None:
+        rows.append(("caught up in", _value(fmt_duration(s.last_sync_s))))
+    if s.served_step is not None:
+        rows.append(("serving", _value(f"step {s.served_step} ({fmt_bytes(s.served_size)})")))
+    if s.donors_banned:
+        reason = s.donors_banned[-1][1]
+        banned = f"{_ids([d for d, _ in s.donors_banned])}: {reason}"
         rows.append(("donors banned", _value(banned, "bold red")))
     return rows
 
 
+def _round_rows(r: RoundDone) -> list[Row]:
+    """The newest round in full: its kind and time, its members (and my part), its bytes, its trouble."""
+    mode = " (client mode: sent only)" if r.my_part < 0 else f" (I own part {r.my_part})"
+    rows: list[Row] = [
+        (
+            "last round",
+            _value(
+                f"{r.kind} round for step {r.step}, {fmt_duration(r.duration_s)}, {len(r.members)} members"
+            ),
+        ),
+        ("members", _value(_ids(r.members) + mode)),
+        (
+            "bytes",
+            _value(
+                f"sent {fmt_bytes(r.bytes_sent)}, received {fmt_bytes(r.bytes_received)}, "
+                f"{fmt_ratio(r.compression_ratio)} smaller than fp32"
+            ),
+        ),
+    ]
+    if r.phases:
+        rows.append(("timing", _value(", ".join(f"{k} {fmt_duration(v)}" for k, v in r.phases.items()))))
+    trouble = round_trouble(r, fmt_ids=_ids)
+    rows.append(("trouble", _value("; ".join(trouble), "bold yellow") if trouble else _value("none")))
+    return rows
+
+
 def averaging_rows(state: ViewState) -> list[Row]:
-    rows: list[Row] = [("phase", _value(state.phase, "bold magenta"))]
-    r = state.last_round
-    if r is None:
+    a = state.averaging
+    rows: list[Row] = [("phase", _value(state.header.phase, "bold magenta"))]
+    if a.last_round is None:
         rows.append(("last round", _value("none yet")))
     else:
-        mode = " (client mode: sent only)" if r.my_part < 0 else f" (I own part {r.my_part})"
-        rows.append(
-            (
-                "last round",
-                _value(
-                    f"{r.kind} round for step {r.step}, {fmt_duration(r.duration_s)}, {len(r.members)} members"
-                ),
-            )
-        )
-        rows.append(("members", _value(_ids(r.members) + mode)))
-        rows.append(
-            (
-                "bytes",
-                _value(
-                    f"sent {fmt_bytes(r.bytes_sent)}, received {fmt_bytes(r.bytes_received)}, "
-                    f"{fmt_ratio(r.compression_ratio)} smaller than fp32"
-                ),
-            )
-        )
-        if r.phases:
-            rows.append(("timing", _value(", ".join(f"{k} {fmt_duration(v)}" for k, v in r.phases.items()))))
-        trouble = round_trouble(r, fmt_ids=_ids)
-        rows.append(("trouble", _value("; ".join(trouble), "bold yellow") if trouble else _value("none")))
-    rounds = f"{state.rounds_done} done, {state.rounds_failed} failed"
-    overall = state.overall_compression
+        rows += _round_rows(a.last_round)
+    rounds = f"{a.rounds_done} done, {a.rounds_failed} failed"
+    overall = a.overall_compression
     if overall is not None:
         rounds += f", {fmt_ratio(overall)} overall"
     rows.append(("rounds", _value(rounds)))
-    if state.last_failure:
-        rows.append(("last failure", _value(state.last_failure, "bold yellow")))
+    if a.last_failure:
+        rows.append(("last failure", _value(a.last_failure, "bold yellow")))
     return rows
 
 
