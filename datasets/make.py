@@ -35,6 +35,8 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal, Required, TypedDict
 
 import numpy as np
 
@@ -49,7 +51,10 @@ from crowdtrain.datasets.chunks import (
 from crowdtrain.datasets.torrent import write_torrent
 from crowdtrain.protocol.errors import ConfigError, DatasetError
 from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES
-from crowdtrain.protocol.messages import ChunkInfo, DatasetManifest, TokenizerInfo, encode
+from crowdtrain.protocol.messages import UNSET, ChunkInfo, DatasetManifest, TokenizerInfo, encode
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_CHUNK_BYTES = 4 * MiB
@@ -67,13 +72,21 @@ EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 TEXT_BATCH_BYTES = 1 * MiB  # text tokenized in one call (the library spreads a batch over its threads)
 
 
+class _Layout(TypedDict, total=False):
+    """The manifest's fields that a source decides (arrays: all three; tokens: the dtype)."""
+
+    dtype: Required[str]
+    sample_shape: list[int]
+    label_dtype: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class _Source:
     """A source opened for reading: its layout and a generator of row blocks."""
 
-    kind: str  # "tokens" or "arrays"
+    kind: Literal["tokens", "arrays"]
     dtype: np.dtype  # row dtype (structured for arrays)
-    manifest_fields: dict
+    manifest_fields: _Layout
     total_bytes: int  # input bytes, for progress
     blocks: Callable[[], Iterator[tuple[np.ndarray, int]]]  # yields (rows, input bytes consumed)
     default_name: str
@@ -85,7 +98,7 @@ class _Source:
 class _Tokenizer:
     """A tokenizer loaded or trained for a data set: the library's object and the file that ships."""
 
-    tok: object  # a tokenizers.Tokenizer
+    tok: Tokenizer
     data: bytes  # tokenizer.json, as written beside the chunks
     vocab_size: int  # the largest id + 1
 
@@ -113,6 +126,55 @@ def make_dataset(
 
     ``tokenizer`` (a ``tokenizer.json``) or ``train_bpe`` (a vocabulary size) cut a text source into that
     tokenizer's ids, written with ``tokenizer.json`` beside the chunks (see the module's docstring)."""
+    _check_options(chunk_bytes, max_bytes, tokenizer, train_bpe)
+    src = _open_source(str(source), text_field)
+    tok = None
+    if tokenizer is not None or train_bpe is not None:
+        src, tok = _tokenize(src, source, tokenizer, train_bpe, max_bytes)
+    name = _data_set_name(name, src)
+    per_chunk = samples_per_chunk(src.dtype, chunk_bytes)
+    if per_chunk < 1:
+        raise DatasetError(
+            f"A chunk of {chunk_bytes} bytes cannot hold one sample of {src.dtype.itemsize} bytes "
+            f"(plus a {header_bytes(src.dtype, 1)}-byte header); use a larger --chunk-size."
+        )
+    out = _prepare_out_dir(Path(out_dir), Path(str(source)))
+    cut = _cut(src, _Chunker(out, per_chunk), max_bytes, progress)
+    if not cut.chunks:
+        raise DatasetError(f"Source {source} holds no data (no text, samples or tokens); nothing to make.")
+    if progress is not None:
+        total = src.total_bytes if max_bytes is None else min(src.total_bytes, max_bytes)
+        progress(total, total)
+    manifest = _manifest(name, src, chunk_bytes, cut, tok)
+    if tok is not None:
+        (out / TOKENIZER_NAME).write_bytes(tok.data)
+    (out / MANIFEST_NAME).write_bytes(encode(manifest))
+    write_torrent(out, manifest, announce_url=announce_url, web_seed=web_seed)
+    return manifest
+
+
+def _manifest(
+    name: str, src: _Source, chunk_bytes: int, cut: _Chunker, tok: _Tokenizer | None
+) -> DatasetManifest:
+    """What ``cut`` wrote from ``src``, as the manifest describes it to volunteers."""
+    manifest = DatasetManifest(
+        name=name,
+        kind=src.kind,
+        chunk_bytes=chunk_bytes,
+        chunks=cut.chunks,
+        total_samples=cut.rows_written,
+        **src.manifest_fields,
+        tokenizer=UNSET if tok is None else tok.info(),
+    )
+    if expected_dtype(manifest) != src.dtype:  # a programming error, not an input error
+        raise RuntimeError(f"chunk dtype {src.dtype} differs from the manifest's {expected_dtype(manifest)}")
+    return manifest
+
+
+def _check_options(
+    chunk_bytes: int, max_bytes: int | None, tokenizer: str | os.PathLike | None, train_bpe: int | None
+) -> None:
+    """Refuse settings no source can be made with, before anything is read."""
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ConfigError(
             "chunk_bytes",
@@ -128,92 +190,81 @@ def make_dataset(
             "train_bpe", f"{train_bpe} tokens is outside {BPE_MIN_VOCAB}..{BPE_MAX_VOCAB} (256 bytes, "
             "<|endoftext|> and the merges); choose e.g. 4096",
         )  # fmt: skip
-    src = _open_source(str(source), text_field)
-    tok = None
-    if tokenizer is not None or train_bpe is not None:
-        option = "--tokenizer" if tokenizer is not None else "--train-bpe"
-        docs = src.docs
-        if docs is None:
-            raise DatasetError(
-                f"{option} tokenizes text, but {source} holds arrays or token ids already; give a folder of "
-                f"text files, a .jsonl file or {STDLIB_SOURCE}."
-            )
-        lib = _tokenizers_library(option)
-        if tokenizer is not None:
-            tok = _load_tokenizer(lib, Path(tokenizer))
-        else:
-            tok = _train_bpe(lib, docs, train_bpe or 0, max_bytes)
-        src = _tokenized(src, docs, tok)
+
+
+def _data_set_name(name: str | None, src: _Source) -> str:
+    """``name``, or one made from the source's (its letters, digits, '.', '_' and '-'), checked."""
     name = name or (re.sub(r"[^A-Za-z0-9._-]", "-", src.default_name).lstrip("._-")[:64] or "dataset")
     if not NAME_RE.match(name):
         raise ConfigError(
             "name", f"{name!r} is not a data set name; use 1-64 letters, digits, '.', '_' or '-'"
         )
-    per_chunk = samples_per_chunk(src.dtype, chunk_bytes)
-    if per_chunk < 1:
-        raise DatasetError(
-            f"A chunk of {chunk_bytes} bytes cannot hold one sample of {src.dtype.itemsize} bytes "
-            f"(plus a {header_bytes(src.dtype, 1)}-byte header); use a larger --chunk-size."
-        )
-    out = _prepare_out_dir(Path(out_dir), Path(str(source)))
-    limit_rows = None if max_bytes is None else max(1, max_bytes // src.dtype.itemsize)
-    total = src.total_bytes if max_bytes is None else min(src.total_bytes, max_bytes)
+    return name
 
-    chunks: list[ChunkInfo] = []
-    pending: list[np.ndarray] = []
-    pending_rows = rows_written = done = 0
 
-    def flush(rows: int) -> None:
-        nonlocal pending, pending_rows
-        data = np.concatenate(pending) if len(pending) > 1 else pending[0]
+# ------------------------------------------------------------------ chunks
+
+
+class _Chunker:
+    """Rows in, chunk files out: rows wait until a chunk's worth has come, then go to the next chunk file."""
+
+    def __init__(self, out: Path, per_chunk: int) -> None:
+        self.out = out
+        self.per_chunk = per_chunk
+        self.chunks: list[ChunkInfo] = []
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+        self.rows_written = 0
+
+    @property
+    def rows_taken(self) -> int:
+        """Rows written to chunk files or waiting for the next one."""
+        return self.rows_written + self.pending_rows
+
+    def add(self, rows: np.ndarray) -> None:
+        """Take ``rows``; write each chunk they complete."""
+        if len(rows):
+            self.pending.append(rows)
+            self.pending_rows += len(rows)
+        while self.pending_rows >= self.per_chunk:
+            self._write(self.per_chunk)
+
+    def finish(self) -> None:
+        """Write the rows still waiting as the last, shorter chunk."""
+        if self.pending_rows:
+            self._write(self.pending_rows)
+
+    def _write(self, rows: int) -> None:
+        data = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
         head, rest = data[:rows], data[rows:]
         blob = encode_chunk(head)
-        fname = chunk_name(len(chunks))
-        (out / fname).write_bytes(blob)
-        chunks.append(
+        fname = chunk_name(len(self.chunks))
+        (self.out / fname).write_bytes(blob)
+        self.chunks.append(
             ChunkInfo(name=fname, samples=rows, bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
         )
-        pending = [rest] if len(rest) else []
-        pending_rows = len(rest)
+        self.pending = [rest] if len(rest) else []
+        self.pending_rows = len(rest)
+        self.rows_written += rows
 
+
+def _cut(src: _Source, chunker: _Chunker, max_bytes: int | None, progress: Progress | None) -> _Chunker:
+    """Every row block of ``src`` (its first ``max_bytes`` when given) through ``chunker``, the input bytes
+    read told to ``progress`` after each block; the last chunk written too."""
+    limit_rows = None if max_bytes is None else max(1, max_bytes // src.dtype.itemsize)
+    total = src.total_bytes if max_bytes is None else min(src.total_bytes, max_bytes)
+    done = 0
     for rows, consumed in src.blocks():
-        if limit_rows is not None and rows_written + pending_rows + len(rows) > limit_rows:
-            rows = rows[: limit_rows - rows_written - pending_rows]
-        if len(rows):
-            pending.append(rows)
-            pending_rows += len(rows)
-        while pending_rows >= per_chunk:
-            flush(per_chunk)
-            rows_written += per_chunk
+        if limit_rows is not None and chunker.rows_taken + len(rows) > limit_rows:
+            rows = rows[: limit_rows - chunker.rows_taken]
+        chunker.add(rows)
         done = min(total, done + consumed)
         if progress is not None:
             progress(done, total)
-        if limit_rows is not None and rows_written + pending_rows >= limit_rows:
+        if limit_rows is not None and chunker.rows_taken >= limit_rows:
             break
-    if pending_rows:
-        rows_written += pending_rows
-        flush(pending_rows)
-    if not chunks:
-        raise DatasetError(f"Source {source} holds no data (no text, samples or tokens); nothing to make.")
-    if progress is not None:
-        progress(total, total)
-
-    manifest = DatasetManifest(
-        name=name,
-        kind=src.kind,
-        chunk_bytes=chunk_bytes,
-        chunks=chunks,
-        total_samples=rows_written,
-        **src.manifest_fields,
-        **({} if tok is None else {"tokenizer": tok.info()}),
-    )
-    if expected_dtype(manifest) != src.dtype:  # a programming error, not an input error
-        raise RuntimeError(f"chunk dtype {src.dtype} differs from the manifest's {expected_dtype(manifest)}")
-    if tok is not None:
-        (out / TOKENIZER_NAME).write_bytes(tok.data)
-    (out / MANIFEST_NAME).write_bytes(encode(manifest))
-    write_torrent(out, manifest, announce_url=announce_url, web_seed=web_seed)
-    return manifest
+    chunker.finish()
+    return chunker
 
 
 # ------------------------------------------------------------------ output folder
@@ -418,6 +469,8 @@ def _rows_blocks(columns: dict[str, np.ndarray], dtype: np.dtype, n: int) -> Cal
 
 def _npy_source(path: Path) -> _Source:
     arr = _load_npy(path, mmap=True)
+    if not isinstance(arr, np.ndarray):  # np.load goes by the file's bytes, not its name
+        raise DatasetError(f"Source {path} is an .npz archive of arrays, not one array; name it .npz.")
     if arr.ndim == 0 or len(arr) == 0:
         raise DatasetError(f"Source {path} holds no samples (shape {arr.shape}); nothing to make.")
     dt = _little(arr.dtype)
@@ -435,6 +488,8 @@ def _npy_source(path: Path) -> _Source:
 
 def _npz_source(path: Path) -> _Source:
     npz = _load_npy(path, mmap=False)
+    if isinstance(npz, np.ndarray):
+        raise DatasetError(f"Source {path} holds one array, not an .npz archive of x and y; name it .npy.")
     with npz:
         keys = list(npz.keys())
         if "x" in keys:
@@ -451,7 +506,7 @@ def _npz_source(path: Path) -> _Source:
     return _arrays_source(path, x, y)
 
 
-def _npz_array(npz, key: str, path: Path) -> np.ndarray:
+def _npz_array(npz: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
     try:
         return npz[key]
     except (ValueError, OSError) as exc:
@@ -486,7 +541,31 @@ def _arrays_source(path: Path, x: np.ndarray, y: np.ndarray | None) -> _Source:
 # ------------------------------------------------------------------ tokenizers
 
 
-def _tokenizers_library(option: str):
+def _tokenize(
+    src: _Source,
+    source: str | os.PathLike,
+    tokenizer: str | os.PathLike | None,
+    train_bpe: int | None,
+    max_bytes: int | None,
+) -> tuple[_Source, _Tokenizer]:
+    """``src``'s text cut into the ids of ``tokenizer`` (a file) or of a BPE of ``train_bpe`` tokens trained on
+    that text, and the tokenizer; a source of arrays or ids is refused."""
+    option = "--tokenizer" if tokenizer is not None else "--train-bpe"
+    docs = src.docs
+    if docs is None:
+        raise DatasetError(
+            f"{option} tokenizes text, but {source} holds arrays or token ids already; give a folder of "
+            f"text files, a .jsonl file or {STDLIB_SOURCE}."
+        )
+    lib = _tokenizers_library(option)
+    if tokenizer is not None:
+        tok = _load_tokenizer(lib, Path(tokenizer))
+    else:
+        tok = _train_bpe(lib, docs, train_bpe or 0, max_bytes)
+    return _tokenized(src, docs, tok), tok
+
+
+def _tokenizers_library(option: str) -> ModuleType:
     """The ``tokenizers`` module, imported only for a data set cut with a tokenizer (an optional extra)."""
     try:
         import tokenizers
@@ -495,11 +574,11 @@ def _tokenizers_library(option: str):
     return tokenizers
 
 
-def _vocab_size(tok) -> int:
+def _vocab_size(tok: Tokenizer) -> int:
     return max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
-def _load_tokenizer(lib, path: Path) -> _Tokenizer:
+def _load_tokenizer(lib: ModuleType, path: Path) -> _Tokenizer:
     """A ``tokenizer.json`` file, loaded to encode with; its bytes ship unchanged."""
     try:
         size = path.stat().st_size
@@ -543,7 +622,7 @@ def _texts(docs: Docs, max_bytes: int | None) -> Iterator[str]:
             yield doc.decode("utf-8", errors="replace")
 
 
-def _train_bpe(lib, docs: Docs, vocab: int, max_bytes: int | None) -> _Tokenizer:
+def _train_bpe(lib: ModuleType, docs: Docs, vocab: int, max_bytes: int | None) -> _Tokenizer:
     """A byte-level BPE (GPT-2's layout) of at most ``vocab`` tokens, trained on the source's text: id 0 is
     ``<|endoftext|>``, ids 1-256 the bytes, the rest merges. Deterministic: the same text gives the same file."""
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -561,7 +640,7 @@ def _train_bpe(lib, docs: Docs, vocab: int, max_bytes: int | None) -> _Tokenizer
     return _Tokenizer(tok, tok.to_str().encode("utf-8"), _vocab_size(tok))
 
 
-def _eos_id(tok) -> int | None:
+def _eos_id(tok: Tokenizer) -> int | None:
     """The id of the tokenizer's end-of-text token (a special token named in EOS_NAMES), if it has one."""
     special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
     return next((special[name] for name in EOS_NAMES if name in special), None)

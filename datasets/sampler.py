@@ -80,7 +80,8 @@ class Sampler:
     def _span(self, index: int) -> int:
         """Samples (tokens: window start positions) chunk ``index`` offers."""
         n = self.manifest.chunks[index].samples
-        return max(0, n - self.seq_len) if self.manifest.kind == "tokens" else n
+        # seq_len is set for a tokens set and only for one (checked in __init__); an arrays sample is one row
+        return n if self.seq_len is None else max(0, n - self.seq_len)
 
     def add_chunk(self, index: int) -> None:
         """Add a verified chunk; its file is checked against the manifest's sha256 once more."""

@@ -195,6 +195,7 @@ def _urls(data: bytes) -> tuple[list[str], list[str]]:
     top = lt.bdecode(data)
     if not isinstance(top, dict):
         return [], []
+    fields = {k: v for k, v in top.items() if isinstance(k, bytes)}  # bencoded keys decode as bytes
 
     def texts(value: object) -> list[str]:
         if isinstance(value, bytes):
@@ -203,9 +204,9 @@ def _urls(data: bytes) -> tuple[list[str], list[str]]:
             return [t for v in value for t in texts(v)]
         return []
 
-    trackers = texts(top.get(b"announce"))
-    trackers += [t for t in texts(top.get(b"announce-list")) if t not in trackers]
-    return trackers, texts(top.get(b"url-list"))
+    trackers = texts(fields.get(b"announce"))
+    trackers += [t for t in texts(fields.get(b"announce-list")) if t not in trackers]
+    return trackers, texts(fields.get(b"url-list"))
 
 
 def find_torrent(data_dir: Path) -> Path:

@@ -42,6 +42,9 @@ from crowdtrain.protocol.errors import ConfigError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 
 INT8_BLOCK = 4096
+# what a received body may be (read whole into bytes or a bytearray, or a view of a buffer): numpy and zstd
+# read all three
+BytesLike = bytes | bytearray | memoryview
 # Compressor's sample of a large payload when it has a minimum gain: strips spread over the payload.
 _SAMPLE_MIN = 1 << 18
 _SAMPLE_STRIPS = 8
@@ -94,7 +97,7 @@ def _split_planes(halves: np.ndarray) -> bytes:
     return out.tobytes()
 
 
-def _join_planes(raw: bytes, n: int, dtype: type[np.unsignedinteger]) -> np.ndarray:
+def _join_planes(raw: BytesLike, n: int, dtype: type[np.unsignedinteger]) -> np.ndarray:
     """Invert :func:`_split_planes` into an array of ``dtype`` (uint16 or uint32)."""
     planes = np.frombuffer(raw, dtype=np.uint8)
     out = planes[n:].astype(dtype)
@@ -198,7 +201,7 @@ def _int8_encode_sent(x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return bytes(out), q.reshape(-1)[:n]
 
 
-def _int8_decode(raw: bytes, n: int) -> np.ndarray:
+def _int8_decode(raw: BytesLike, n: int) -> np.ndarray:
     blocks = -(-n // INT8_BLOCK)
     scales = np.frombuffer(raw, dtype=np.float32, count=blocks)
     q = np.empty(blocks * INT8_BLOCK, dtype=np.float32)
@@ -223,7 +226,7 @@ def transform(x: np.ndarray, codec: Codec) -> bytes:
     return _int8_encode(x)
 
 
-def untransform(raw: bytes, codec: Codec, n: int) -> np.ndarray:
+def untransform(raw: BytesLike, codec: Codec, n: int) -> np.ndarray:
     """Invert :func:`transform`; ``raw`` must hold exactly ``raw_size(codec, n)`` bytes."""
     if len(raw) != raw_size(codec, n):
         raise ProtocolError(
@@ -289,7 +292,7 @@ class Compressor:
         sample = b"".join(view[k * step : k * step + _SAMPLE_STRIP] for k in range(_SAMPLE_STRIPS))
         return len(self._c.compress(sample)) > (1.0 - self.min_gain) * len(sample)
 
-    def decompress(self, body: bytes | memoryview, expected: int) -> bytes | memoryview:
+    def decompress(self, body: BytesLike, expected: int) -> BytesLike:
         """Decompress exactly ``expected`` bytes; refuse before allocating if that is over the limit.
 
         A body of exactly ``expected`` bytes is a stored payload (see :meth:`compress`) and is returned as is.

@@ -23,7 +23,7 @@ Who sends what:
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -31,7 +31,7 @@ from msgspec import UNSET, Meta, UnsetType
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, MAX_TOKENIZER_BASE64, MAX_TOKENIZER_BYTES, Limits
 
-VERSION = 1
+VERSION: Final = 1
 Version = Literal[1]
 # What peers exchange directly (tensor frames, the all-reduce and state routes). Builds of different peer
 # protocols cannot average together, so the tracker admits only volunteers that speak its own. 2: frames
@@ -60,13 +60,16 @@ _PATTERN_WORDS = {
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """Base of every control message."""
+    """Base of every control message.
+
+    Subclasses repeat ``frozen=True, kw_only=True``: msgspec inherits them, a type checker does not.
+    """
 
 
 # ---------------------------------------------------------------- run spec
 
 
-class ModelSpec(Message, kw_only=True):
+class ModelSpec(Message, frozen=True, kw_only=True):
     recipe: str  # a name in the built-in recipes or the ``crowdtrain.models`` entry-point group
     args: dict[str, int | float | str | bool] = {}
     # sha256 of parameter names, shapes and dtypes; "" = filled in by `run create` (a tracker refuses "")
@@ -80,7 +83,7 @@ class ModelSpec(Message, kw_only=True):
     code_hash: Annotated[str, Meta(pattern=PARAM_HASH, max_length=64)] = ""
 
 
-class OptimizerSpec(Message, kw_only=True):
+class OptimizerSpec(Message, frozen=True, kw_only=True):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -91,14 +94,14 @@ class OptimizerSpec(Message, kw_only=True):
     grad_clip: float = 1.0  # global norm of the averaged gradient; 0 disables clipping
 
 
-class ScheduleSpec(Message, kw_only=True):
+class ScheduleSpec(Message, frozen=True, kw_only=True):
     kind: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: int = 0
     total_steps: int = 1000
     min_lr_ratio: float = 0.1
 
 
-class AveragingSpec(Message, kw_only=True):
+class AveragingSpec(Message, frozen=True, kw_only=True):
     group_size: int = 4  # G: members per all-reduce group at most
     min_group_size: int = 1  # a step closes on its ETA only with at least this many ready peers
     codec: CodecName = "int8"
@@ -122,14 +125,14 @@ class AveragingSpec(Message, kw_only=True):
     max_peer_share: float = 0.5
 
 
-class ChunkInfo(Message, kw_only=True):
+class ChunkInfo(Message, frozen=True, kw_only=True):
     name: str
     samples: int
     bytes: int
     sha256: str
 
 
-class TokenizerInfo(Message, kw_only=True):
+class TokenizerInfo(Message, frozen=True, kw_only=True):
     """The tokenizer a tokens data set was cut with: ``tokenizer.json`` beside its chunks (Hugging Face
     ``tokenizers`` format). Its ids are the data set's token ids, all below ``vocab_size``."""
 
@@ -138,7 +141,7 @@ class TokenizerInfo(Message, kw_only=True):
     vocab_size: Annotated[int, Meta(ge=1, le=1 << 32)]  # the largest id + 1 (added tokens included)
 
 
-class DatasetManifest(Message, kw_only=True):
+class DatasetManifest(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     name: str
     kind: Literal["tokens", "arrays"]
@@ -154,7 +157,7 @@ class DatasetManifest(Message, kw_only=True):
     tokenizer: TokenizerInfo | UnsetType = UNSET
 
 
-class DatasetRef(Message, kw_only=True):
+class DatasetRef(Message, frozen=True, kw_only=True):
     infohash: Hex40
     manifest: DatasetManifest
     web_seed: str | None = None
@@ -165,7 +168,7 @@ MetricName = Annotated[str, Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")]
 Metrics = Annotated[dict[MetricName, float], Meta(max_length=16)]  # a recipe's metrics, beside the loss
 
 
-class EvalSpec(Message, kw_only=True):
+class EvalSpec(Message, frozen=True, kw_only=True):
     """The run's held-out split: the data set's last ``holdout_chunks`` chunks are never trained on; every
     ``every`` steps each volunteer evaluates the state on the same ``samples`` samples of them (drawn once
     with the run's seed) and reports the mean loss and the recipe's metrics in its heartbeat."""
@@ -175,7 +178,7 @@ class EvalSpec(Message, kw_only=True):
     samples: int = 256
 
 
-class EvalReport(Message, kw_only=True):
+class EvalReport(Message, frozen=True, kw_only=True):
     """One volunteer's evaluation of the state after ``step`` steps, carried by its next heartbeat."""
 
     step: Count  # steps the evaluated state has taken (a multiple of ``eval.every``)
@@ -184,7 +187,7 @@ class EvalReport(Message, kw_only=True):
     samples: Count
 
 
-class EvalRecord(Message, kw_only=True):
+class EvalRecord(Message, frozen=True, kw_only=True):
     """The run's evaluation of the state after ``step`` steps: the mean of its volunteers' reports."""
 
     step: int
@@ -193,7 +196,7 @@ class EvalRecord(Message, kw_only=True):
     reports: int  # volunteers whose reports make the mean
 
 
-class RunSpec(Message, kw_only=True):
+class RunSpec(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
     name: str
@@ -211,7 +214,7 @@ class RunSpec(Message, kw_only=True):
     created_at: float = 0.0
 
 
-class RunCreate(Message, kw_only=True):
+class RunCreate(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     name: str
     model: ModelSpec
@@ -231,13 +234,13 @@ class RunCreate(Message, kw_only=True):
     tokenizer: Annotated[str, Meta(max_length=MAX_TOKENIZER_BASE64)] | UnsetType = UNSET
 
 
-class RunCreated(Message, kw_only=True):
+class RunCreated(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
     spec: RunSpec
 
 
-class RunSummary(Message, kw_only=True):
+class RunSummary(Message, frozen=True, kw_only=True):
     run_id: str
     name: str
     global_step: int
@@ -246,7 +249,7 @@ class RunSummary(Message, kw_only=True):
     closed_at: float | None = None  # its admin closed it: it takes no more steps
 
 
-class RunList(Message, kw_only=True):
+class RunList(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     runs: list[RunSummary]
 
@@ -254,7 +257,7 @@ class RunList(Message, kw_only=True):
 # ---------------------------------------------------------------- volunteers
 
 
-class Credential(Message, kw_only=True):
+class Credential(Message, frozen=True, kw_only=True):
     """The tracker's signed statement: ``peer_id`` in ``run_id`` holds the Ed25519 key ``public_key``."""
 
     run_id: str
@@ -264,7 +267,7 @@ class Credential(Message, kw_only=True):
     signature: str  # hex, by the tracker's key over the fields above
 
 
-class JoinRequest(Message, kw_only=True):
+class JoinRequest(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     public_key: Hex64
     # "host:port" of the peer server; ":port" = "at the address you see this request come from" (the
@@ -276,7 +279,7 @@ class JoinRequest(Message, kw_only=True):
     peer_protocol: int = 1
 
 
-class JoinResponse(Message, kw_only=True):
+class JoinResponse(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     peer_id: str
     credential: Credential
@@ -290,13 +293,13 @@ class JoinResponse(Message, kw_only=True):
     observed_host: str | None = None
 
 
-class StateVersion(Message, kw_only=True):
+class StateVersion(Message, frozen=True, kw_only=True):
     step: Count
     content_hash: Hex64  # sha256 of the whole snapshot
     size: Annotated[int, Meta(ge=0, le=1 << 42)]
 
 
-class Heartbeat(Message, kw_only=True):
+class Heartbeat(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     peer_id: str
     step: Count  # the global step this peer is accumulating for
@@ -312,7 +315,7 @@ class Heartbeat(Message, kw_only=True):
     eval: EvalReport | None = None  # its evaluation of the held-out split, once per evaluated step
 
 
-class HeartbeatReply(Message, kw_only=True):
+class HeartbeatReply(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     global_step: int
     samples: int  # run-wide samples toward the target of ``global_step``
@@ -335,7 +338,7 @@ class HeartbeatReply(Message, kw_only=True):
     ahead_share: int | None = None
 
 
-class StepWatch(Message, kw_only=True):
+class StepWatch(Message, frozen=True, kw_only=True):
     """The answer to ``GET .../step?step=N`` (a long-poll): returned as soon as step N closed or the run
     moved past it, so every volunteer hears of a close within a round trip, not a heartbeat interval."""
 
@@ -344,12 +347,12 @@ class StepWatch(Message, kw_only=True):
     step_closed: bool  # the target of ``global_step`` is reached
 
 
-class LeaveRequest(Message, kw_only=True):
+class LeaveRequest(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     peer_id: str
 
 
-class ReadyRequest(Message, kw_only=True):
+class ReadyRequest(Message, frozen=True, kw_only=True):
     """A long-poll: "I am ready to average step ``step`` with this weight"."""
 
     version: Version = VERSION
@@ -361,7 +364,7 @@ class ReadyRequest(Message, kw_only=True):
     ahead: Count = 0
 
 
-class GroupMember(Message, kw_only=True):
+class GroupMember(Message, frozen=True, kw_only=True):
     peer_id: str
     address: str | None  # None: client mode, owns no part
     public_key: str
@@ -369,7 +372,7 @@ class GroupMember(Message, kw_only=True):
     part: int  # index of the part this member reduces, -1 for none
 
 
-class GroupAssignment(Message, kw_only=True):
+class GroupAssignment(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
     round_id: str
@@ -385,7 +388,7 @@ class GroupAssignment(Message, kw_only=True):
     signature: str  # hex, the tracker's Ed25519 signature over the fields above
 
 
-class ReadyReply(Message, kw_only=True):
+class ReadyReply(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     status: Literal["group", "wait", "missed", "open"]
     # group: ``assignment`` is yours. wait: the step is not closed yet, call again.
@@ -407,7 +410,7 @@ class ReadyReply(Message, kw_only=True):
 MAX_DECLARED_STATES = 4  # snapshots one peer may declare at once (its newest and the older it still serves)
 
 
-class StateDeclare(Message, kw_only=True):
+class StateDeclare(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     peer_id: str
     state: StateVersion  # its newest snapshot
@@ -416,13 +419,13 @@ class StateDeclare(Message, kw_only=True):
     older: Annotated[list[StateVersion], Meta(max_length=MAX_DECLARED_STATES - 1)] = []
 
 
-class Donor(Message, kw_only=True):
+class Donor(Message, frozen=True, kw_only=True):
     peer_id: str
     address: str
     public_key: str
 
 
-class DonorList(Message, kw_only=True):
+class DonorList(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     state: StateVersion | None
     donors: list[Donor]
@@ -431,7 +434,7 @@ class DonorList(Message, kw_only=True):
     reason: str | None = None
 
 
-class StateManifest(Message, kw_only=True):
+class StateManifest(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
     step: int
@@ -444,7 +447,7 @@ class StateManifest(Message, kw_only=True):
 # ---------------------------------------------------------------- status
 
 
-class PeerStatus(Message, kw_only=True):
+class PeerStatus(Message, frozen=True, kw_only=True):
     peer_id: str
     step: int
     samples: int
@@ -458,7 +461,7 @@ class PeerStatus(Message, kw_only=True):
     compute_share: float | None = None  # as its last heartbeat said (see Heartbeat.compute_share)
 
 
-class StepRecord(Message, kw_only=True):
+class StepRecord(Message, frozen=True, kw_only=True):
     step: int
     closed_at: float
     duration_s: float
@@ -469,7 +472,7 @@ class StepRecord(Message, kw_only=True):
     loss: float | None = None  # the averaged peers' training loss, weighted by their samples
 
 
-class StepHistory(Message, kw_only=True):
+class StepHistory(Message, frozen=True, kw_only=True):
     """``GET /api/v1/runs/{id}/history``: the newest closed steps, oldest first (for curves)."""
 
     version: Version = VERSION
@@ -477,7 +480,7 @@ class StepHistory(Message, kw_only=True):
     evals: list[EvalRecord] = []  # the held-out evaluations of those steps' states, oldest first
 
 
-class RunStatus(Message, kw_only=True):
+class RunStatus(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
     name: str
@@ -497,7 +500,7 @@ class RunStatus(Message, kw_only=True):
     evals: list[EvalRecord] = []  # the newest held-out evaluations, newest first (see EvalSpec)
 
 
-class ErrorBody(Message, kw_only=True):
+class ErrorBody(Message, frozen=True, kw_only=True):
     error: str
 
 
@@ -551,7 +554,7 @@ def replace(msg: M, **changes: Any) -> M:
 # ---------------------------------------------------------------- tracker administration
 
 
-class DatasetRegistration(Message, kw_only=True):
+class DatasetRegistration(Message, frozen=True, kw_only=True):
     """publisher → tracker (admin): serve BitTorrent announces for this info-hash."""
 
     version: Version = VERSION

@@ -151,6 +151,22 @@ def test_out_dir_with_foreign_files_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("name", "save", "sentence"),
+    [
+        ("arrays.npy", np.savez, r"arrays\.npy is an \.npz archive of arrays, not one array; name it \.npz"),
+        ("array.npz", np.save, r"array\.npz holds one array, not an \.npz archive of x and y; name it \.npy"),
+    ],
+)
+def test_a_numpy_file_named_as_the_other_kind_is_a_sentence_not_a_crash(tmp_path, name, save, sentence):
+    """np.load reads a file by its bytes, not its name: an .npz archive named .npy made `dataset make` fail
+    with an AttributeError, and one array named .npz with a TypeError, instead of saying what to rename."""
+    with (tmp_path / name).open("wb") as f:  # a file object: np.save and np.savez add no suffix to it
+        save(f, np.zeros((4, 3), np.float32))
+    with pytest.raises(DatasetError, match=sentence):
+        make_dataset(tmp_path / name, tmp_path / "out", chunk_bytes=4 * KiB)
+
+
+@pytest.mark.parametrize(
     "garbage", [b"", b"garbage", b"d4:infoi1ee", b"d4:infod4:name3:abcee", b"l" * 100_000]
 )
 def test_garbage_torrents_are_clear_errors(tmp_path, garbage):

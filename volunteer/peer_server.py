@@ -36,18 +36,23 @@ class PeerServer:
 
     def bind(self) -> int:
         """Take the port (listening from now on, answering once started); returns it."""
+        self._listener()
+        return self.port
+
+    def _listener(self) -> socket.socket:
+        """The listening socket, bound on first use."""
         if self._sock is None:
             self._sock = bind_listener(self.host, self.port, BACKLOG)
             self.port = self._sock.getsockname()[1]
-        return self.port
+        return self._sock
 
     async def start(self) -> int:
         """Serve on the bound port (binding it first if needed); returns the port."""
-        self.bind()
+        sock = self._listener()
         quiet_parser_errors()
         self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await start_serving(self._runner, [self._sock], BACKLOG)
+        await start_serving(self._runner, [sock], BACKLOG)
         return self.port
 
     async def stop(self) -> None:

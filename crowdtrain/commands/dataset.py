@@ -9,12 +9,19 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.errors import ConfigError, DatasetError
 from crowdtrain.protocol.messages import TokenizerInfo
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from crowdtrain.datasets.torrent import DatasetInfo
+    from crowdtrain.protocol.messages import DatasetManifest
 
 app = typer.Typer(help="Make, inspect and seed BitTorrent data sets.", no_args_is_help=True)
 
@@ -80,26 +87,14 @@ def make(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Cut SOURCE into chunk files, write manifest.json and a v1 .torrent."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
-    from crowdtrain.datasets.make import BPE_MAX_VOCAB, BPE_MIN_VOCAB, make_dataset
+    from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.torrent import read_dataset_info
 
     chunk_bytes = parse_size(chunk_size, "--chunk-size")
     cap = parse_size(max_bytes, "--max-bytes") if max_bytes else None
-    if tokenizer is not None and train_bpe is not None:
-        raise typer.BadParameter("give --tokenizer FILE or --train-bpe N, not both", param_hint="--train-bpe")
-    if train_bpe is not None and not BPE_MIN_VOCAB <= train_bpe <= BPE_MAX_VOCAB:
-        raise typer.BadParameter(
-            f"must be a vocabulary of {BPE_MIN_VOCAB} to {BPE_MAX_VOCAB} tokens, not {train_bpe}",
-            param_hint="--train-bpe",
-        )
+    _check_tokenizer_options(tokenizer, train_bpe)
     as_json = wants_json(ctx, json_out)
-    bar = Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-        transient=True, disable=as_json or not sys.stderr.isatty(),
-    )  # fmt: skip
-    with bar:
+    with _progress_bar(hidden=as_json) as bar:
         task = bar.add_task("chunking", total=None)
         manifest = make_dataset(
             source,
@@ -118,6 +113,35 @@ def make(
     if as_json:
         typer.echo(json.dumps(info.to_dict()))
         return
+    typer.echo("\n".join(_made_lines(manifest, info, out)))
+
+
+def _check_tokenizer_options(tokenizer: Path | None, train_bpe: int | None) -> None:
+    """--tokenizer with --train-bpe, or a BPE vocabulary outside what the chunks hold, is a usage error (exit 2)
+    before any input is read."""
+    from crowdtrain.datasets.make import BPE_MAX_VOCAB, BPE_MIN_VOCAB
+
+    if tokenizer is not None and train_bpe is not None:
+        raise typer.BadParameter("give --tokenizer FILE or --train-bpe N, not both", param_hint="--train-bpe")
+    if train_bpe is not None and not BPE_MIN_VOCAB <= train_bpe <= BPE_MAX_VOCAB:
+        raise typer.BadParameter(
+            f"must be a vocabulary of {BPE_MIN_VOCAB} to {BPE_MAX_VOCAB} tokens, not {train_bpe}",
+            param_hint="--train-bpe",
+        )
+
+
+def _progress_bar(hidden: bool) -> Progress:
+    """A bar on stderr of the source's bytes read; none for --json or where stderr is no terminal."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    return Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+        transient=True, disable=hidden or not sys.stderr.isatty(),
+    )  # fmt: skip
+
+
+def _made_lines(manifest: DatasetManifest, info: DatasetInfo, out: Path) -> list[str]:
+    """What `dataset make` says it made: the data set, its info-hash, torrent and tokenizer."""
     lines = [
         f"made data set {manifest.name!r}: {len(manifest.chunks)} chunks, {manifest.total_samples} "
         f"{_counted(manifest.kind)}, {_human(info.total_bytes)}",
@@ -126,7 +150,7 @@ def make(
     ]
     if isinstance(manifest.tokenizer, TokenizerInfo):
         lines.append(f"  tokenizer {out / 'tokenizer.json'} ({_tokenizer_line(manifest)})")
-    typer.echo("\n".join(lines))
+    return lines
 
 
 def _tokenizer_line(m) -> str:

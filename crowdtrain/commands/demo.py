@@ -25,12 +25,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from crowdtrain.commands.common import EXIT_INTERRUPTED, run_async
 from crowdtrain.procs import Child, child_env, json_events, stop_processes
 from crowdtrain.protocol.errors import ConfigError, CrowdtrainError
+
+if TYPE_CHECKING:  # imported where the demo runs: the CLI starts without torch
+    from rich.console import Console, RenderableType
+    from rich.live import Live
+
+    from crowdtrain.protocol.messages import DatasetManifest, RunSpec
+    from crowdtrain.volunteer.events import Event, StateLoaded
+    from crowdtrain.volunteer.view.state import ViewState
 
 DEMO_CHUNK_BYTES = 64 * 1024
 DEMO_MAX_BYTES = 3 * 1024 * 1024
@@ -46,8 +55,8 @@ WAIT_THEN_JOIN = (
 @dataclass(slots=True)
 class VolunteerProc:
     name: str
+    state: ViewState  # its events folded so far
     child: Child | None = None
-    state: object = None  # a ViewState
     first_losses: list[float] = field(default_factory=list)
     last_losses: list[float] = field(default_factory=list)
     bytes_sent: int = 0
@@ -56,7 +65,7 @@ class VolunteerProc:
     late: bool = False  # its process waits to be told to join (see join_when_told)
     told_at: int | None = None  # the run's global step when it was told to join
     joined_step: int | None = None  # the run's global step when it joined, as the tracker said
-    first_load: object = None  # its first StateLoaded event
+    first_load: StateLoaded | None = None  # its first StateLoaded event
     steps_contributed: int = 0  # steps it put samples into
     samples_contributed: int = 0
 
@@ -85,15 +94,9 @@ def demo(
 
 async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None:
     from rich.console import Console
-    from rich.live import Live
 
-    from crowdtrain.datasets.make import make_dataset
-    from crowdtrain.datasets.session import SessionConfig, TorrentSession
-    from crowdtrain.protocol.client import TrackerClient
-    from crowdtrain.publisher import build_run_create
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
-    from crowdtrain.volunteer.view.demo import DemoRow, render_demo
     from crowdtrain.volunteer.view.state import ViewState
 
     console = Console(soft_wrap=True)  # one event, one line, whatever the width (a pipe is 80 columns)
@@ -104,103 +107,176 @@ async def _demo(n: int, steps: int, codec: str, late: bool, plain: bool) -> None
         async with serve(config) as tracker:
             console.print(f"tracker      {tracker.url}")
             data = tmp / "dataset"
-            manifest = await asyncio.to_thread(
-                make_dataset,
-                "builtin:stdlib",
-                data,
-                chunk_bytes=DEMO_CHUNK_BYTES,
-                name="stdlib-demo",
-                announce_url=tracker.announce_url,
-                max_bytes=DEMO_MAX_BYTES,
-            )
-            console.print(
-                f"data set     {manifest.name}: {len(manifest.chunks)} chunks, "
-                f"{manifest.total_samples / 1e6:.1f} M byte tokens of Python source"
-            )
-            create = await asyncio.to_thread(
-                build_run_create,
-                data,
-                name="demo",
-                model={"recipe": "tiny-gpt", "args": dict(DEMO_MODEL_ARGS)},
-                target_batch_size=192,  # slow enough that the late volunteer (~7 s to start) finds the run
-                micro_batch_size=16,
-                optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
-                schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": max(steps, 10)},
-                averaging={
-                    "group_size": 4,
-                    "codec": codec,
-                    "round_timeout_s": 15.0,
-                    "gather_s": 1.0,
-                    "step_timeout_s": 20.0,
-                    "average_state_every": 5,
-                },
-            )
-            async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
-                spec = (await client.create_run(create)).spec
+            manifest = await _make_data(data, tracker.announce_url, console)
+            spec = await _create_run(data, tracker.url, tracker.admin_token, steps, codec)
             console.print(f"run          {spec.run_id} ({spec.model.recipe}, codec {codec}, {n} volunteers)")
-
-            seeder = TorrentSession(SessionConfig(listen="127.0.0.1:0", upload_rate_limit=DEMO_SEEDER_RATE))
-            await seeder.start()
-            seed_download = await seeder.seed(
-                data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest
+            volunteers = DemoVolunteers(
+                procs=[VolunteerProc(name=f"volunteer-{i + 1}", state=ViewState()) for i in range(n)],
+                tracker_url=tracker.url,
+                run_id=spec.run_id,
+                tmp=tmp,
+                steps=steps,
+                late=late,
+                plain=plain,
+                console=console,
             )
-            procs = [VolunteerProc(name=f"volunteer-{i + 1}", state=ViewState()) for i in range(n)]
-            try:
-                await _run_volunteers(
-                    procs,
-                    tracker.url,
-                    spec.run_id,
-                    tmp,
-                    steps,
-                    late,
-                    plain,
-                    console,
-                    render_demo,
-                    DemoRow,
-                    Live,
-                )
-            finally:
-                await stop_all(procs)
-                seeder_uploaded = seed_download.stats().uploaded
-                await seeder.close()
-            _summary(console, procs, steps, time.monotonic() - started, seeder_uploaded)
+            seeder_uploaded = await _seed_while(volunteers, data, manifest)
+            _summary(console, volunteers.procs, steps, time.monotonic() - started, seeder_uploaded)
 
 
-async def _run_volunteers(
-    procs, tracker_url, run_id, tmp, steps, late, plain, console, render_demo, DemoRow, Live
-):
-    from crowdtrain.volunteer import events as ev
-    from crowdtrain.volunteer.view.lines import plain_line
-    from crowdtrain.volunteer.view.state import apply
+async def _make_data(data: Path, announce_url: str, console: Console) -> DatasetManifest:
+    """The demo's data set in ``data``: the first few MiB of the standard library's source, as byte tokens."""
+    from crowdtrain.datasets.make import make_dataset
 
-    def on_event(p: VolunteerProc, event: ev.Event) -> None:
+    manifest = await asyncio.to_thread(
+        make_dataset,
+        "builtin:stdlib",
+        data,
+        chunk_bytes=DEMO_CHUNK_BYTES,
+        name="stdlib-demo",
+        announce_url=announce_url,
+        max_bytes=DEMO_MAX_BYTES,
+    )
+    console.print(
+        f"data set     {manifest.name}: {len(manifest.chunks)} chunks, "
+        f"{manifest.total_samples / 1e6:.1f} M byte tokens of Python source"
+    )
+    return manifest
+
+
+async def _create_run(data: Path, tracker_url: str, admin_token: str, steps: int, codec: str) -> RunSpec:
+    """The demo's run of tiny-gpt on the data set in ``data``, created on the tracker; its spec."""
+    from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.publisher import build_run_create
+
+    create = await asyncio.to_thread(
+        build_run_create,
+        data,
+        name="demo",
+        model={"recipe": "tiny-gpt", "args": dict(DEMO_MODEL_ARGS)},
+        target_batch_size=192,  # slow enough that the late volunteer (~7 s to start) finds the run
+        micro_batch_size=16,
+        optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.01},
+        schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": max(steps, 10)},
+        averaging={
+            "group_size": 4,
+            "codec": codec,
+            "round_timeout_s": 15.0,
+            "gather_s": 1.0,
+            "step_timeout_s": 20.0,
+            "average_state_every": 5,
+        },
+    )
+    async with TrackerClient(tracker_url, admin_token=admin_token) as client:
+        return (await client.create_run(create)).spec
+
+
+async def _seed_while(volunteers: DemoVolunteers, data: Path, manifest: DatasetManifest) -> int:
+    """Seed the data set in ``data`` (slowly: the volunteers fetch chunks from each other too) while the
+    volunteers train; stop them all, then the seeder. The bytes the seeder uploaded."""
+    from crowdtrain.datasets.session import SessionConfig, TorrentSession
+
+    seeder = TorrentSession(SessionConfig(listen="127.0.0.1:0", upload_rate_limit=DEMO_SEEDER_RATE))
+    await seeder.start()
+    seed_download = await seeder.seed(
+        data, (data / f"{manifest.name}.torrent").read_bytes(), manifest=manifest
+    )
+    try:
+        await volunteers.run()
+    finally:
+        await stop_all(volunteers.procs)
+        seeder_uploaded = seed_download.stats().uploaded
+        await seeder.close()
+    return seeder_uploaded
+
+
+@dataclass(slots=True)
+class DemoVolunteers:
+    """The demo's volunteer processes, watched together until each has ended: their events folded into
+    their rows of the view, the late one (the last, with ``late``) told to join once the run has taken
+    :data:`LATE_STEP` steps, and the ones that failed reported."""
+
+    procs: list[VolunteerProc]
+    tracker_url: str
+    run_id: str
+    tmp: Path  # each volunteer's data folder is in it
+    steps: int  # each leaves once the run reaches this global step
+    late: bool
+    plain: bool  # lines instead of the live view
+    console: Console
+
+    async def run(self) -> None:
+        """Start every volunteer (the late one too: it imports, then waits to be told) and watch them until
+        all have ended; raise a :class:`CrowdtrainError` when any failed."""
+        from rich.live import Live
+
+        on_time = self.procs[:-1] if self.late else self.procs
+        if self.late:
+            self.procs[-1].late = True
+        async with asyncio.TaskGroup() as tg:
+            for p in self.procs:
+                await self.start(p, tg)
+            live = (
+                None
+                if self.plain
+                else Live(self.view(), console=self.console, auto_refresh=False, transient=False)
+            )
+            with live if live is not None else contextlib.nullcontext():
+                while True:
+                    if not await self._watch(live, on_time):
+                        break
+                    await asyncio.sleep(0.25)
+                if live is not None:
+                    live.update(self.view(), refresh=True)
+        self._raise_failures()
+
+    async def _watch(self, live: Live | None, on_time: list[VolunteerProc]) -> bool:
+        """One look: redraw the view and tell the late volunteer to join when it is time; False once no
+        volunteer runs and none waits to be told."""
+        if live is not None:
+            live.update(self.view(), refresh=True)
+        running = [p for p in self.procs if p.child is not None and p.child.returncode is None]
+        waiting = self.late and self.procs[-1].told_at is None
+        if not waiting and not running:
+            return False
+        if waiting:
+            step = max((p.state.collab.global_step or 0) for p in on_time)
+            if step >= LATE_STEP or all(
+                p.child is not None and p.child.returncode is not None for p in on_time
+            ):
+                await self.tell(self.procs[-1], step)
+                if self.plain:
+                    self.console.print(f"{self.procs[-1].name} joins late, at global step {step}")
+        return True
+
+    def on_event(self, p: VolunteerProc, event: Event) -> None:
+        """Fold one of ``p``'s events into its state and counters; in plain mode print the ones worth a line."""
+        from crowdtrain.volunteer import events as ev
+        from crowdtrain.volunteer.view.lines import plain_line
+        from crowdtrain.volunteer.view.state import apply
+
         p.state = apply(p.state, event)
-        if isinstance(event, ev.StepDone):
-            if event.contributed_samples > 0:
-                p.steps_contributed += 1
-                p.samples_contributed += event.contributed_samples
-            if event.loss is not None:  # its mean loss over the step
-                if len(p.first_losses) < 3:
-                    p.first_losses.append(event.loss)
-                p.last_losses = [*p.last_losses[-2:], event.loss]
-        elif isinstance(event, ev.Joined):
-            p.joined_step = event.global_step
-        elif isinstance(event, ev.StateLoaded) and p.first_load is None:
-            p.first_load = event
-        elif isinstance(event, ev.RoundDone):
-            p.bytes_sent += event.bytes_sent
-            p.raw_bytes += event.raw_bytes
-        elif isinstance(event, ev.TorrentStats):
-            p.downloaded = event.downloaded
-        if plain and isinstance(event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed):
+        _tally(p, event)
+        if self.plain and isinstance(
+            event, ev.StepDone | ev.StateLoaded | ev.Joined | ev.Left | ev.RoundFailed
+        ):
             line = plain_line(event)
             if line:
-                console.print(f"{p.name}: {line}", markup=False, highlight=False)
+                self.console.print(f"{p.name}: {line}", markup=False, highlight=False)
 
-    async def start(p: VolunteerProc, tg: asyncio.TaskGroup) -> None:
-        args = ["join", run_id, "--tracker", tracker_url, "--host", "127.0.0.1"]  # nothing on the network
-        args += ["--json", "--data-dir", str(tmp / p.name), "--max-steps", str(steps)]
-        on_line = json_events(functools.partial(on_event, p))
+    async def start(self, p: VolunteerProc, tg: asyncio.TaskGroup) -> None:
+        """Start ``p``'s ``crowdtrain join`` on loopback, its output read in ``tg``; a late one's process
+        waits to be told (see :func:`join_when_told`)."""
+        args = [
+            "join",
+            self.run_id,
+            "--tracker",
+            self.tracker_url,
+            "--host",
+            "127.0.0.1",
+        ]  # nothing on the network
+        args += ["--json", "--data-dir", str(self.tmp / p.name), "--max-steps", str(self.steps)]
+        on_line = json_events(functools.partial(self.on_event, p))
         if not p.late:
             p.child = await Child.start(args, name=p.name, on_line=on_line, tg=tg)  # output read in tg
             return
@@ -217,53 +293,63 @@ async def _run_volunteers(
         )
         p.child = Child(p.name, proc, on_line, 40, tg)
 
-    async def tell(p: VolunteerProc, step: int) -> None:
+    async def tell(self, p: VolunteerProc, step: int) -> None:
+        """Tell the late volunteer ``p`` to join, the run being at global ``step``."""
         p.told_at = step
-        stdin = p.child.proc.stdin
+        stdin = None if p.child is None else p.child.proc.stdin
+        if stdin is None:  # start() gives a late volunteer a pipe to be told through
+            raise RuntimeError(f"{p.name} has no pipe to be told to join through")
         stdin.write(b"join\n")
         with contextlib.suppress(ConnectionError):  # it has already exited: the failure report says why
             await stdin.drain()
         stdin.close()
 
-    def view():
-        rows = [DemoRow.from_state(p.name, p.state) for p in procs]
-        if late and procs[-1].told_at is None:
-            rows[-1] = dataclasses.replace(rows[-1], phase=f"joins late, at step {LATE_STEP}")
-        return render_demo(procs[0].state, rows)
+    def view(self) -> RenderableType:
+        """The run's collaboration panel above one row per volunteer."""
+        from crowdtrain.volunteer.view.demo import DemoRow, render_demo
 
-    on_time = procs[:-1] if late else procs
-    if late:
-        procs[-1].late = True
-    async with asyncio.TaskGroup() as tg:
-        for p in procs:  # the late one too: it imports, then waits to be told
-            await start(p, tg)
-        live = None if plain else Live(view(), console=console, auto_refresh=False, transient=False)
-        with live if live is not None else contextlib.nullcontext():
-            while True:
-                if live is not None:
-                    live.update(view(), refresh=True)
-                running = [p for p in procs if p.child is not None and p.child.returncode is None]
-                waiting = late and procs[-1].told_at is None
-                if not waiting and not running:
-                    break
-                if waiting:
-                    step = max((p.state.global_step or 0) for p in on_time)
-                    if step >= LATE_STEP or all(p.child.returncode is not None for p in on_time):
-                        await tell(procs[-1], step)
-                        if plain:
-                            console.print(f"{procs[-1].name} joins late, at global step {step}")
-                await asyncio.sleep(0.25)
-            if live is not None:
-                live.update(view(), refresh=True)
-    failed = [p for p in procs if p.child is not None and p.child.returncode not in (0, None)]
-    for p in failed:
-        console.print(f"{p.name} exited with code {p.child.returncode}:", style="red")
-        for line in p.child.tail(8):
-            console.print(f"  {line}", markup=False, highlight=False)
-    if failed:
-        raise CrowdtrainError(
-            f"{len(failed)} of {len(procs)} demo volunteers failed; their last output is above."
-        )
+        rows = [DemoRow.from_state(p.name, p.state) for p in self.procs]
+        if self.late and self.procs[-1].told_at is None:
+            rows[-1] = dataclasses.replace(rows[-1], phase=f"joins late, at step {LATE_STEP}")
+        return render_demo(self.procs[0].state, rows)
+
+    def _raise_failures(self) -> None:
+        """Print each failed volunteer's exit code and last lines, then raise saying how many failed."""
+        failed = [
+            (p, p.child) for p in self.procs if p.child is not None and p.child.returncode not in (0, None)
+        ]
+        for p, child in failed:
+            self.console.print(f"{p.name} exited with code {child.returncode}:", style="red")
+            for line in child.tail(8):
+                self.console.print(f"  {line}", markup=False, highlight=False)
+        if failed:
+            raise CrowdtrainError(
+                f"{len(failed)} of {len(self.procs)} demo volunteers failed; their last output is above."
+            )
+
+
+def _tally(p: VolunteerProc, event: Event) -> None:
+    """Count into ``p`` what the summary says of it: samples and steps it contributed, its first and last
+    losses, when it joined, its first state load, bytes sent and data downloaded."""
+    from crowdtrain.volunteer import events as ev
+
+    if isinstance(event, ev.StepDone):
+        if event.contributed_samples > 0:
+            p.steps_contributed += 1
+            p.samples_contributed += event.contributed_samples
+        if event.loss is not None:  # its mean loss over the step
+            if len(p.first_losses) < 3:
+                p.first_losses.append(event.loss)
+            p.last_losses = [*p.last_losses[-2:], event.loss]
+    elif isinstance(event, ev.Joined):
+        p.joined_step = event.global_step
+    elif isinstance(event, ev.StateLoaded) and p.first_load is None:
+        p.first_load = event
+    elif isinstance(event, ev.RoundDone):
+        p.bytes_sent += event.bytes_sent
+        p.raw_bytes += event.raw_bytes
+    elif isinstance(event, ev.TorrentStats):
+        p.downloaded = event.downloaded
 
 
 def join_when_told(argv: list[str]) -> None:
@@ -305,7 +391,7 @@ def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, see
     raw = sum(p.raw_bytes for p in procs)
     downloaded = sum(p.downloaded for p in procs)
     from_peers = max(0, downloaded - seeder_uploaded)
-    final_step = max((p.state.global_step or 0) for p in procs)
+    final_step = max((p.state.collab.global_step or 0) for p in procs)
     console.rule("demo summary")
     console.print(f"global steps      {final_step} (asked for {steps})")
     console.print(f"wall time         {wall_s:.1f} s")
@@ -320,7 +406,7 @@ def _summary(console, procs: list[VolunteerProc], steps: int, wall_s: float, see
         f"{from_peers / 1e6:.2f} MB from other volunteers"
     )
     console.print(f"compute share     {_compute_shares(procs)}")
-    caught = [p.name for p in procs if p.state.last_sync_s is not None]
+    caught = [p.name for p in procs if p.state.sync.last_sync_s is not None]
     if caught:
         console.print(f"state catch-up    {', '.join(caught)} loaded the run's state from peers")
     for p in procs:
@@ -344,7 +430,7 @@ def _late_joiner(p: VolunteerProc, final_step: int) -> str:
     since = max(0, final_step - p.joined_step)
     return (
         f"{said}, then put {p.samples_contributed:,} samples into {p.steps_contributed} of the {since} steps "
-        f"since and computed {fmt_percent(p.state.compute_share)} of its time"
+        f"since and computed {fmt_percent(p.state.training.compute_share)} of its time"
     )
 
 
@@ -355,7 +441,7 @@ def _compute_shares(procs: list[VolunteerProc]) -> str:
     volunteers are other processes)."""
     from crowdtrain.volunteer.view.fmt import fmt_percent
 
-    shares = [p.state.compute_share for p in procs]
+    shares = [p.state.training.compute_share for p in procs]
     mean = _mean([s for s in shares if s is not None])
     each = ", ".join(f"{p.name} {fmt_percent(s)}" for p, s in zip(procs, shares, strict=True))
     return f"mean {fmt_percent(mean)}: {each}"

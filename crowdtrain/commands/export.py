@@ -6,12 +6,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.errors import ConfigError, StateSyncError
+
+if TYPE_CHECKING:  # imported where an export runs: the CLI starts without torch
+    import torch
+
+    from crowdtrain.protocol.messages import RunSpec, StateVersion
 
 KEEPER_POLL_S = 2.0  # how often a keeper (--every) asks whether the state moved on
 
@@ -85,15 +92,40 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     """Fetch the newest state like a newcomer (several donors, verified ranges) and write its weights."""
     import asyncio
 
-    from safetensors.torch import save_file
+    from crowdtrain.protocol.messages import TokenizerInfo
+    from crowdtrain.volunteer.state.snapshot import load_snapshot
 
+    fetched = await _fetch_newest(run_id, tracker_url, token, timeout_s)
+    loaded = await asyncio.to_thread(load_snapshot, fetched.state)
+    named = fetched.spec.dataset.manifest.tokenizer
+    about = None
+    if fetched.tokenizer is not None and isinstance(named, TokenizerInfo):
+        about = {"file": tokenizer_path(out).name, "sha256": named.sha256, "vocab_size": named.vocab_size}
+    info = export_info(run_id, loaded.step, loaded.recipe, loaded.args, fetched.version.content_hash, about)
+    await _write(out, info, fetched.tokenizer, loaded.model_state)
+    return info
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    """What an export takes from the run: its spec, its tokenizer (None for a run without one) and the bytes
+    of its newest state, of ``version``."""
+
+    spec: RunSpec
+    tokenizer: bytes | None
+    version: StateVersion
+    state: bytes | Path
+
+
+async def _fetch_newest(run_id: str, tracker_url: str, token: str | None, timeout_s: float) -> _Fetched:
+    """The run's spec, tokenizer and newest state, fetched from its donors as a member: peers serve state only
+    to run members, so the exporter joins in client mode and leaves again."""
     from crowdtrain import __version__
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.credentials import SigningKey
-    from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest, TokenizerInfo
+    from crowdtrain.protocol.messages import PEER_PROTOCOL, JoinRequest, LeaveRequest
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.fetch import fetch_state
-    from crowdtrain.volunteer.state.snapshot import load_snapshot
 
     key = SigningKey()
     async with TrackerClient(tracker_url, timeout_s=timeout_s) as tracker:
@@ -106,7 +138,6 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
             raise StateSyncError(
                 f"no volunteer of run {run_id} serves its state right now; export while volunteers are online"
             )
-        # Peers serve state only to run members, so the exporter joins in client mode and leaves again.
         join = await tracker.join(
             run_id,
             JoinRequest(
@@ -128,12 +159,17 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
             )
         finally:
             await tracker.leave(run_id, LeaveRequest(peer_id=join.peer_id), key, join.credential)
-    loaded = await asyncio.to_thread(load_snapshot, data)
-    named = spec.dataset.manifest.tokenizer
-    about = None
-    if tokenizer is not None and isinstance(named, TokenizerInfo):
-        about = {"file": tokenizer_path(out).name, "sha256": named.sha256, "vocab_size": named.vocab_size}
-    info = export_info(run_id, loaded.step, loaded.recipe, loaded.args, donors.state.content_hash, about)
+    return _Fetched(spec, tokenizer, donors.state, data)
+
+
+async def _write(
+    out: Path, info: dict, tokenizer: bytes | None, model_state: dict[str, torch.Tensor]
+) -> None:
+    """The weights to ``out`` with ``info`` in their metadata, ``model.json`` and the tokenizer beside."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
     out.parent.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
         tokenizer_path(out).write_bytes(tokenizer)
@@ -141,11 +177,10 @@ async def export_state(run_id: str, tracker_url: str, out: Path, token: str | No
     # written beside, then moved in place: a keeper's previous checkpoint stays whole until the new one is
     partial = out.with_name(out.name + ".partial")
     await asyncio.to_thread(
-        save_file, {k: v.contiguous() for k, v in loaded.model_state.items()}, str(partial), metadata
+        save_file, {k: v.contiguous() for k, v in model_state.items()}, str(partial), metadata
     )
     os.replace(partial, out)
     out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    return info
 
 
 async def keep_exporting(

@@ -7,10 +7,14 @@ import ctypes
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from crowdtrain.commands.common import run_async, wants_json
+
+if TYPE_CHECKING:  # imported where a volunteer runs: the CLI starts without torch
+    from crowdtrain.volunteer.config import VolunteerConfig
 
 
 def default_data_dir(run_id: str) -> Path:
@@ -36,60 +40,89 @@ def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
         return  # not glibc (musl has no arenas to cap)
 
 
-def join(
-    ctx: typer.Context,
-    run_id: str = typer.Argument(..., help="The run to join (see `crowdtrain status` or the publisher)."),
-    tracker: str = typer.Option(..., "--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL."),
-    token: str | None = typer.Option(
-        None,
-        "--token",
-        envvar="CROWDTRAIN_JOIN_TOKEN",
-        help="Join token of a private run.",
-        show_default=False,
+# ------------------------------------------------------------------ the command's options
+# Declared here, one name each, so that the command reads as what it does: a volunteer's settings, then its run.
+
+RunId = Annotated[str, typer.Argument(help="The run to join (see `crowdtrain status` or the publisher).")]
+Tracker = Annotated[
+    str, typer.Option("--tracker", envvar="CROWDTRAIN_TRACKER", help="The run's tracker URL.")
+]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token", envvar="CROWDTRAIN_JOIN_TOKEN", help="Join token of a private run.", show_default=False
     ),
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (mixed precision on CUDA)."),
-    data_dir: Path | None = typer.Option(
-        None,
-        "--data-dir",
-        help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID.",
+]
+Device = Annotated[str, typer.Option("--device", help="auto, cpu or cuda (mixed precision on CUDA).")]
+DataDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--data-dir", help="Where chunks are kept and seeded. Default: ~/.local/share/crowdtrain/runs/RUN_ID."
     ),
-    host: str = typer.Option(
-        "0.0.0.0",
-        "--host",
-        help="Interface the peer server and BitTorrent listen on (default: every interface).",
+]
+Host = Annotated[
+    str,
+    typer.Option(
+        "--host", help="Interface the peer server and BitTorrent listen on (default: every interface)."
     ),
-    port: int = typer.Option(
-        0, "--port", help="TCP port of the peer server (averaging, state); 0: any free."
-    ),
-    bt_port: int = typer.Option(0, "--bt-port", help="TCP port of BitTorrent; 0: any free."),
-    advertise: str | None = typer.Option(
-        None,
+]
+Port = Annotated[
+    int, typer.Option("--port", help="TCP port of the peer server (averaging, state); 0: any free.")
+]
+BtPort = Annotated[int, typer.Option("--bt-port", help="TCP port of BitTorrent; 0: any free.")]
+Advertise = Annotated[
+    str | None,
+    typer.Option(
         "--advertise",
         metavar="HOST[:PORT]",
         help="Where others reach the peer server (port forwarding, a relay). Default: the address the "
         "tracker sees this machine at, with --port.",
         show_default=False,
     ),
-    client_mode: bool = typer.Option(
-        False, "--client-mode", help="Behind NAT: declare no address, own no all-reduce part, only send."
+]
+ClientMode = Annotated[
+    bool,
+    typer.Option("--client-mode", help="Behind NAT: declare no address, own no all-reduce part, only send."),
+]
+MaxBatch = Annotated[int | None, typer.Option("--max-batch", help="Cap on the micro-batch size (memory).")]
+MaxSteps = Annotated[
+    int | None,
+    typer.Option(
+        "--max-steps", help="Leave once the run reaches this global step (default: stay until Ctrl-C)."
     ),
-    max_batch: int | None = typer.Option(None, "--max-batch", help="Cap on the micro-batch size (memory)."),
-    max_steps: int | None = typer.Option(
-        None, "--max-steps", help="Leave once the run reaches this global step (default: stay until Ctrl-C)."
-    ),
-    init_from: Path | None = typer.Option(
-        None,
+]
+InitFrom = Annotated[
+    Path | None,
+    typer.Option(
         "--init-from",
         help="Restore the run from a `crowdtrain export` checkpoint when no peer serves its state and this "
         "volunteer kept none of the run's step (the step gap is told).",
     ),
-    plain: bool = typer.Option(False, "--plain", help="One line per event instead of the live view."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object per event (JSON lines)."),
+]
+Plain = Annotated[bool, typer.Option("--plain", help="One line per event instead of the live view.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="One JSON object per event (JSON lines).")]
+
+
+def join(
+    ctx: typer.Context,
+    run_id: RunId,
+    tracker: Tracker,
+    token: Token = None,
+    device: Device = "auto",
+    data_dir: DataDir = None,
+    host: Host = "0.0.0.0",
+    port: Port = 0,
+    bt_port: BtPort = 0,
+    advertise: Advertise = None,
+    client_mode: ClientMode = False,
+    max_batch: MaxBatch = None,
+    max_steps: MaxSteps = None,
+    init_from: InitFrom = None,
+    plain: Plain = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Join a run: download its data over BitTorrent, train, average gradients with peers, until Ctrl-C."""
     from crowdtrain.volunteer.config import VolunteerConfig
-    from crowdtrain.volunteer.engine import Volunteer
-    from crowdtrain.volunteer.view.live import ViewSink, choose_mode
 
     config = VolunteerConfig(
         run_id=run_id,
@@ -107,7 +140,15 @@ def join(
         init_from=init_from,
     )
     config.data_dir.mkdir(parents=True, exist_ok=True)
-    requested = "json" if wants_json(ctx, json_out) else "plain" if plain else "live"
+    run_volunteer(config, "json" if wants_json(ctx, json_out) else "plain" if plain else "live")
+
+
+def run_volunteer(config: VolunteerConfig, requested: str) -> None:
+    """Run one volunteer until it leaves, its events shown as ``requested`` (live, plain or json; a live
+    view falls back to lines where stdout is no terminal)."""
+    from crowdtrain.volunteer.engine import Volunteer
+    from crowdtrain.volunteer.view.live import ViewSink, choose_mode
+
     sink = ViewSink(choose_mode(requested, sys.stdout))
 
     limit_malloc_arenas()

@@ -102,14 +102,17 @@ class TinyGPTRecipe(TableRecipe):
     table: Any = field(default_factory=lambda: dict(TINY_GPT_ARGS))
 
     def _check(self, args: dict[str, ArgValue]) -> None:
-        if args["d_model"] % args["n_head"]:
+        if int(args["d_model"]) % int(args["n_head"]):
             raise RecipeError(
                 f"Recipe 'tiny-gpt': n_head ({args['n_head']}) must divide d_model ({args['d_model']}); "
                 "fix model.args in the run spec."
             )
 
     def _make(self, args: dict[str, ArgValue]) -> nn.Module:
-        return TinyGPT(args["d_model"], args["n_layer"], args["n_head"], args["seq_len"], args["vocab"])
+        d_model, n_layer, n_head, seq_len, vocab = (
+            int(args[k]) for k in ("d_model", "n_layer", "n_head", "seq_len", "vocab")
+        )
+        return TinyGPT(d_model, n_layer, n_head, seq_len, vocab)
 
     def _init(
         self, name: str, shape: tuple[int, ...], args: dict[str, ArgValue], generator: torch.Generator
@@ -120,7 +123,7 @@ class TinyGPTRecipe(TableRecipe):
             return torch.ones(shape)
         std = 0.02
         if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
-            std = 0.02 / math.sqrt(2 * args["n_layer"])
+            std = 0.02 / math.sqrt(2 * int(args["n_layer"]))
         return normal(shape, std, generator)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

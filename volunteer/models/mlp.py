@@ -58,13 +58,12 @@ class MLPModel(nn.Module):
                 norm = self.norms[i]
                 # a micro-batch of one sample (the last of a peer's share) has no batch statistics: it is
                 # normalised with the running ones, which it leaves as they are
-                x = (
-                    norm(x)
-                    if x.shape[0] > 1 or not self.training
-                    else F.batch_norm(
+                if x.shape[0] <= 1 and self.training and isinstance(norm, nn.BatchNorm1d):
+                    x = F.batch_norm(
                         x, norm.running_mean, norm.running_var, norm.weight, norm.bias, training=False
                     )
-                )
+                else:
+                    x = norm(x)
             x = F.gelu(x)
         return self.head(x)
 
@@ -77,10 +76,10 @@ class MLPRecipe(TableRecipe):
 
     def _make(self, args: dict[str, ArgValue]) -> nn.Module:
         return MLPModel(
-            args["in_features"],
-            args["hidden"],
-            args["n_layer"],
-            args["out_features"],
+            int(args["in_features"]),
+            int(args["hidden"]),
+            int(args["n_layer"]),
+            int(args["out_features"]),
             str(args["task"]),
             bool(args["batch_norm"]),
         )

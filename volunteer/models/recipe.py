@@ -36,8 +36,13 @@ class Recipe(Protocol):
     volunteers report on the run's held-out split (docs/recipes.md).
     """
 
-    name: str
-    kind: Kind  # the data-set kind the recipe trains on
+    # read-only here, so that a frozen dataclass or a plain class attribute provides them
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def kind(self) -> Kind:  # the data-set kind the recipe trains on
+        ...
 
     @property
     def default_args(self) -> dict[str, ArgValue]: ...
@@ -53,7 +58,7 @@ class Recipe(Protocol):
 class Arg:
     """One typed recipe argument with its default and its allowed range or choices."""
 
-    type: type
+    type: type[ArgValue]
     default: ArgValue
     help: str
     min: float | None = None
@@ -72,9 +77,9 @@ class Arg:
             )
         if isinstance(value, float) and not math.isfinite(value):
             raise RecipeError(f"Recipe {recipe!r}: argument {name!r} must be finite, got {value!r}.")
-        if self.min is not None and value < self.min:
+        if isinstance(value, int | float) and self.min is not None and value < self.min:
             raise RecipeError(f"Recipe {recipe!r}: argument {name!r} must be ≥ {self.min:g}, got {value!r}.")
-        if self.max is not None and value > self.max:
+        if isinstance(value, int | float) and self.max is not None and value > self.max:
             raise RecipeError(f"Recipe {recipe!r}: argument {name!r} must be ≤ {self.max:g}, got {value!r}.")
         if self.choices and value not in self.choices:
             raise RecipeError(
@@ -137,8 +142,7 @@ class TableRecipe:
                 f"Recipe {self.name!r} registers buffers ({', '.join(unfilled[:3])}) that a meta-device build "
                 "cannot fill; only normalisation layers' running statistics can be"
             )
-        model.crowdtrain_recipe = self.name  # read by check_param_hash's message
-        model.crowdtrain_args = full
+        _label(model, self.name, full)
         return model
 
     def _make(self, args: dict[str, ArgValue]) -> torch.nn.Module:
@@ -163,6 +167,13 @@ class TableRecipe:
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 MetricsFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], Mapping[str, float]]
 SEED = Arg(int, 0, "seed of the initial parameters", min=0, max=2**63 - 1)
+
+
+def _label(model: torch.nn.Module, recipe: str, args: dict[str, ArgValue]) -> None:
+    """Name the recipe and args that built ``model``, for :func:`check_param_hash`'s message."""
+    # torch's stub allows tensors and modules only; nn.Module keeps any other value as a plain attribute
+    model.crowdtrain_recipe = recipe  # type: ignore[assignment]
+    model.crowdtrain_args = args  # type: ignore[assignment]
 
 
 def cross_entropy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -226,8 +237,7 @@ class ModuleRecipe:
                 f"Recipe {self.name!r}: make(**args) returned {type(model).__name__}, not an nn.Module."
             )
         model = model.to(device="cpu", dtype=torch.float32)
-        model.crowdtrain_recipe = self.name
-        model.crowdtrain_args = full
+        _label(model, self.name, full)
         return model
 
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
