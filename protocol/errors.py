@@ -14,8 +14,8 @@ Every message is a sentence that says what went wrong and, where it can, what to
     │   └── AdminAuthError*          the admin token is missing or wrong (tracker/auth.py)
     ├── TrackerError                 the tracker answered with an error
     │   └── TrackerUnreachable       the tracker did not answer (down, wrong URL, timeout)
-    ├── ApiError*                    a tracker route's refusal: its HTTP status and sentence (tracker/server.py)
-    ├── StateRefused*                a state declaration the tracker does not record (tracker/collab.py)
+    ├── ApiError*                    a tracker route's refusal: its HTTP status and sentence (tracker/replies.py)
+    ├── StateRefused*                a state declaration the tracker does not record (tracker/donors.py)
     ├── DatasetError                 a data set cannot be made, read or fetched
     ├── RecipeError                  the model recipe is unknown or does not match the run's spec
     ├── AveragingError               an all-reduce round failed as a whole

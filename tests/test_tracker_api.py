@@ -19,7 +19,7 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, verify_credential
 from crowdtrain.protocol.errors import TrackerError, TrackerUnreachable
 from crowdtrain.protocol.limits import MAX_TOKENIZER_BASE64, MAX_TORRENT_BYTES
-from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, encode, replace
+from crowdtrain.protocol.messages import PEER_PROTOCOL, Heartbeat, JoinRequest, ReadyRequest, encode, replace
 from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
@@ -347,6 +347,26 @@ async def test_malformed_heartbeat_names_the_field(tracker, admin, run_id):
         status, reply = await raw(tracker, "POST", path, body, headers)
         assert status == 400
         assert error_of(reply) == message or error_of(reply).startswith(message)
+
+
+async def test_a_ready_calls_wait_is_read_like_every_query_number(tracker, admin, run_id):
+    """``POST /ready?wait_s=`` is parsed as every other number of a query is (issue 26): a sentence for
+    what is not a number of seconds from 0 to 3600, and a wait capped by the tracker's ``long_poll_s``."""
+    v = SimVolunteer(admin, run_id)
+    await v.join()
+    path = f"/api/v1/runs/{run_id}/ready"
+    body = encode(ReadyRequest(peer_id=v.peer_id, step=0, weight=0))
+    headers = sign_headers(v.key, v.joined.credential, "tracker", path, hashlib.sha256(body).hexdigest())
+    for query, message in [
+        ("abc", "wait_s must be a number, not 'abc'"),
+        ("-1", "wait_s must be a number from 0 to 3600"),
+        ("nan", "wait_s must be a number from 0 to 3600"),
+        ("1e9", "wait_s must be a number from 0 to 3600"),
+    ]:
+        status, reply = await raw(tracker, "POST", f"{path}?wait_s={query}", body, headers)
+        assert (status, error_of(reply)) == (400, message)
+    status, reply = await raw(tracker, "POST", f"{path}?wait_s=0", body, headers)
+    assert status == 200 and json.loads(reply)["status"] == "wait"
 
 
 async def test_reachable_address_is_verified_and_owns_state(admin, run_id):

@@ -139,11 +139,11 @@ def _columns(cluster: list[_Node], reachable: set[str]) -> list[Group]:
         for _, ni in col:
             counts[ni] = counts.get(ni, 0) + 1
         scale = math.lcm(*counts.values())
-        members = tuple(p for p, _ in col)
+        in_column = tuple(p for p, _ in col)
         groups.append(
             Group(
-                members,
-                tuple(p for p in members if p in reachable),
+                in_column,
+                tuple(p for p in in_column if p in reachable),
                 tuple(cluster[ni].weight * scale // counts[ni] for _, ni in col),
             )
         )

@@ -45,7 +45,7 @@ class Metrics:
         self._children: dict[tuple[str, int], Counter] = {}
 
     def bind(self, tracker: Tracker) -> None:
-        self.peers_online.set_function(lambda: sum(len(run.peers) for run in tracker.runs.values()))
+        self.peers_online.set_function(tracker.runs.peers_online)
         self.swarm_peers.set_function(tracker.swarms.total_peers)
         self.runs.set_function(lambda: len(tracker.runs))
 

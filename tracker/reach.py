@@ -19,12 +19,16 @@ import ipaddress
 import json
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.errors import ProtocolError
-from crowdtrain.tracker.collab import Peer, RunState
+
+if TYPE_CHECKING:
+    from crowdtrain.tracker.collab import Peer
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -33,6 +37,32 @@ RECHECK_S = 10.0  # an unreachable address is checked again this often (on heart
 
 class AddressError(ProtocolError):
     """A declared address that cannot be used (answered with 400)."""
+
+
+@dataclass(slots=True)
+class Reach:
+    """What the tracker knows of where one peer is reached; a :class:`Checker` alone writes it."""
+
+    address: str | None = None  # declared "host:port", None for client mode
+    reachable: bool = False  # the tracker reached ``address`` with GET /v1/ping
+    checking: bool = False  # a reachability check is under way
+    checks: int = 0  # reachability checks done for the current address
+    checked_at: float = 0.0  # monotonic time of the last check
+    checked: bool = False  # a check of the current address finished (``reachable`` is its answer)
+    bt_address: str | None = None  # "host:port" of its BitTorrent session, as the tracker tries it
+    bt_reachable: bool | None = None  # None: not checked yet
+    bt_checking: bool = False
+    bt_checked_at: float = 0.0
+
+    @property
+    def owns_part(self) -> bool:
+        """Whether the peer may own an all-reduce part: its declared address answered."""
+        return self.reachable and self.address is not None
+
+    @property
+    def first_check(self) -> bool:
+        """Whether the first check of its declared address is still under way."""
+        return self.address is not None and not self.checked
 
 
 def _is_loopback(host: str) -> bool:
@@ -99,46 +129,48 @@ class Checker:
 
     # ------------------------------------------------------------ on every heartbeat
 
-    def update(
-        self, run: RunState, peer: Peer, address: str | None, bt_port: int | None, remote: str
-    ) -> None:
+    def update(self, peer: Peer, address: str | None, bt_port: int | None, remote: str) -> None:
         """Take what a join or heartbeat said of the peer's addresses; start the checks that are due."""
-        if address != peer.address:
-            peer.address = address
-            peer.reachable = peer.checked = False
-            peer.checks = 0
+        reach = peer.reach
+        if address != reach.address:
+            reach.address = address
+            reach.reachable = reach.checked = False
+            reach.checks = 0
         bt_address = None
         if bt_port is not None:
             host = host_of(address) if address is not None else (f"[{remote}]" if ":" in remote else remote)
             bt_address = f"{host}:{bt_port}" if host else None
-        if bt_address != peer.bt_address:
-            peer.bt_address = bt_address
-            peer.bt_reachable = None
-            peer.bt_checked_at = 0.0
+        if bt_address != reach.bt_address:
+            reach.bt_address = bt_address
+            reach.bt_reachable = None
+            reach.bt_checked_at = 0.0
         now = time.monotonic()
         if (
-            peer.address is not None
-            and not peer.checking
-            and not peer.reachable
-            and (peer.checks < 2 or now - peer.checked_at >= RECHECK_S)
+            reach.address is not None
+            and not reach.checking
+            and not reach.reachable
+            and (reach.checks < 2 or now - reach.checked_at >= RECHECK_S)
         ):
-            peer.checking = True
-            peer.checks += 1
-            peer.checked_at = now
-            self._spawn(self._ping(run, peer, peer.address))
+            reach.checking = True
+            reach.checks += 1
+            reach.checked_at = now
+            self._spawn(self._ping(peer.peer_id, reach, reach.address))
         if (
-            peer.bt_address is not None
-            and not peer.bt_checking
-            and peer.bt_reachable is not True
-            and now - peer.bt_checked_at >= (0.0 if peer.bt_reachable is None else RECHECK_S)
+            reach.bt_address is not None
+            and not reach.bt_checking
+            and reach.bt_reachable is not True
+            and now - reach.bt_checked_at >= (0.0 if reach.bt_reachable is None else RECHECK_S)
         ):
-            peer.bt_checking = True
-            peer.bt_checked_at = now
-            self._spawn(self._connect(run, peer, peer.bt_address))
+            reach.bt_checking = True
+            reach.bt_checked_at = now
+            self._spawn(self._connect(peer.peer_id, reach, reach.bt_address))
 
     # ------------------------------------------------------------ the checks
 
-    async def _ping(self, run: RunState, peer: Peer, address: str) -> None:
+    # A check writes its answer into the peer's Reach only while that still holds the address it checked; a
+    # peer that left (or re-registered, with a new Reach) takes no answer: its old record is dropped with it.
+
+    async def _ping(self, peer_id: str, reach: Reach, address: str) -> None:
         assert self._http is not None
         ok = False
         async with self._slots:
@@ -148,24 +180,20 @@ class Checker:
                         if resp.status == 200:
                             body = await read_body(resp.content, 4096, resp.content_length)
                             reply = json.loads(body)
-                            ok = isinstance(reply, dict) and reply.get("peer_id") == peer.peer_id
+                            ok = isinstance(reply, dict) and reply.get("peer_id") == peer_id
             except (ClientError, OSError, TimeoutError, ValueError, BodyTooLong) as exc:
                 # refused, reset, timed out, not HTTP, not JSON, too long: the address does not answer as a peer
-                log.debug("peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
+                log.debug("peer %s at %s is not reachable: %s", peer_id, address, exc)
             except Exception:  # a bug of ours, not the peer's: unreachable all the same, but said aloud
-                log.warning(
-                    "checking peer %s at %s failed unexpectedly", peer.peer_id, address, exc_info=True
-                )
-        peer.checking = False
-        if peer.address == address and run.peers.get(peer.peer_id) is peer:
-            peer.reachable = ok
-            peer.checked = True
+                log.warning("checking peer %s at %s failed unexpectedly", peer_id, address, exc_info=True)
+        reach.checking = False
+        if reach.address == address:
+            reach.reachable = ok
+            reach.checked = True
             if not ok:
-                log.info(
-                    "peer %s declared %s but did not answer GET /v1/ping; client mode", peer.peer_id, address
-                )
+                log.info("peer %s declared %s but did not answer GET /v1/ping; client mode", peer_id, address)
 
-    async def _connect(self, run: RunState, peer: Peer, address: str) -> None:
+    async def _connect(self, peer_id: str, reach: Reach, address: str) -> None:
         host, _, port = address.rpartition(":")
         ok = False
         async with self._slots:
@@ -177,7 +205,7 @@ class Checker:
                     await writer.wait_closed()
                 ok = True
             except (OSError, TimeoutError) as exc:
-                log.debug("BitTorrent port of peer %s at %s is not reachable: %s", peer.peer_id, address, exc)
-        peer.bt_checking = False
-        if peer.bt_address == address and run.peers.get(peer.peer_id) is peer:
-            peer.bt_reachable = ok
+                log.debug("BitTorrent port of peer %s at %s is not reachable: %s", peer_id, address, exc)
+        reach.bt_checking = False
+        if reach.bt_address == address:
+            reach.bt_reachable = ok

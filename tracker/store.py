@@ -1,5 +1,7 @@
-"""Durable tracker state in SQLite (WAL): its key and admin token, data sets, runs (with their torrent and
-tokenizer), step history.
+"""Durable tracker state: its key and admin token, data sets, runs (with their torrent and tokenizer), step
+history, held-out evaluations. :class:`RunStore` is what the tracker asks of a store; :class:`Store` keeps it
+in SQLite (WAL), in a file or (``":memory:"``) for one process. Every implementation passes
+``tests/test_store_conformance.py`` (chihaya's ``storage_tests`` shape).
 
 Live peer tables are in memory (:mod:`crowdtrain.tracker.collab`, :mod:`crowdtrain.tracker.swarm`) and
 are rebuilt from heartbeats and announces after a restart. Writes are small and rare (a run created, a
@@ -14,6 +16,7 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from crowdtrain.protocol.messages import EvalRecord, EvalReport, RunSpec, StepRecord, decode, encode
 
@@ -43,7 +46,64 @@ class StoredRun:
     closed_at: float | None = None  # when its admin closed it: it takes no more steps
 
 
+@runtime_checkable
+class RunStore(Protocol):
+    """What the tracker keeps across restarts. A write is durable once the call returns."""
+
+    def close(self) -> None: ...
+
+    def get_meta(self, key: str) -> bytes | None: ...
+
+    def get_or_set_meta(self, key: str, make: bytes) -> bytes:
+        """The stored value of ``key``; ``make`` is stored and returned when there is none."""
+        ...
+
+    def set_meta(self, key: str, value: bytes) -> None: ...
+
+    def add_dataset(self, infohash: str, name: str) -> None: ...
+
+    def datasets(self) -> dict[str, str]:
+        """Registered data sets, info-hash (hex) to name; a run's data set is registered with it."""
+        ...
+
+    def add_run(
+        self, spec: RunSpec, torrent: bytes, join_token_hash: str | None, tokenizer: bytes | None = None
+    ) -> None: ...
+
+    def runs(self) -> list[StoredRun]:
+        """Every run, oldest first, at the global step its last closed step advanced it to."""
+        ...
+
+    def tokenizer(self, run_id: str) -> bytes | None: ...
+
+    def close_run(self, run_id: str, when: float) -> None:
+        """Mark the run closed at ``when``; a run closed already keeps its first time."""
+        ...
+
+    def delete_run(self, run_id: str) -> None:
+        """The run, its step history and its evaluations go (its data set stays registered)."""
+        ...
+
+    def close_step(self, run_id: str, record: StepRecord) -> None:
+        """Record a closed step and advance the run's global step past it, atomically."""
+        ...
+
+    def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
+        """The newest ``limit`` closed steps, newest first."""
+        ...
+
+    def add_eval(self, run_id: str, report: EvalReport) -> EvalRecord:
+        """Fold one report into the mean of its step's reports; the step's record."""
+        ...
+
+    def evals(self, run_id: str, limit: int = 10) -> list[EvalRecord]:
+        """The newest ``limit`` evaluations, newest first."""
+        ...
+
+
 class Store:
+    """The SQLite :class:`RunStore`: ``path`` a database file (WAL), or ``":memory:"``."""
+
     def __init__(self, path: str) -> None:
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,172 @@
+"""One conformance suite for every :class:`~crowdtrain.tracker.store.RunStore` (chihaya's
+``storage/storage_tests.go`` shape): each test runs against each implementation. Today that is SQLite, in a
+file and in memory; a new store adds itself to ``STORES`` and must pass all of it."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from crowdtrain.protocol.messages import EvalReport, RunSpec, StepRecord
+from crowdtrain.tracker.store import RunStore, Store
+from tests.sim import make_run_create
+
+# name -> (how to open it in a folder, whether what it holds outlives closing it)
+STORES: dict[str, tuple[Callable[[Path], RunStore], bool]] = {
+    "sqlite-file": (lambda folder: Store(str(folder / "sub" / "tracker.sqlite3")), True),
+    "sqlite-memory": (lambda folder: Store(":memory:"), False),
+}
+
+
+@pytest.fixture(params=sorted(STORES))
+def store(request, tmp_path) -> Iterator[RunStore]:
+    opened = STORES[request.param][0](tmp_path)
+    yield opened
+    opened.close()
+
+
+def spec(name: str = "conformance", created_at: float = 1000.0, join_policy: str = "public") -> RunSpec:
+    msg = make_run_create(name)
+    return RunSpec(
+        run_id=f"{name}-abc123",
+        name=name,
+        model=msg.model,
+        dataset=msg.dataset,
+        optimizer=msg.optimizer,
+        schedule=msg.schedule,
+        target_batch_size=msg.target_batch_size,
+        micro_batch_size=msg.micro_batch_size,
+        averaging=msg.averaging,
+        eval=msg.eval,
+        join_policy=join_policy,
+        tracker_public_key="cd" * 32,
+        seed=msg.seed,
+        created_at=created_at,
+    )
+
+
+def record(step: int, samples: int = 64, loss: float | None = 2.5) -> StepRecord:
+    return StepRecord(
+        step=step,
+        closed_at=2000.0 + step,
+        duration_s=1.5,
+        samples=samples,
+        peers=3,
+        groups=1,
+        seed=7,
+        loss=loss,
+    )
+
+
+def torrent() -> bytes:
+    return base64.b64decode(make_run_create("t").torrent)
+
+
+def test_it_is_a_run_store(store):
+    assert isinstance(store, RunStore)
+
+
+def test_meta_is_set_once_by_get_or_set_and_replaced_by_set(store):
+    assert store.get_meta("admin_token") is None
+    assert store.get_or_set_meta("admin_token", b"first") == b"first"
+    assert store.get_or_set_meta("admin_token", b"second") == b"first"  # kept, not replaced
+    store.set_meta("admin_token", b"third")
+    assert store.get_meta("admin_token") == b"third"
+    store.set_meta("empty", b"")
+    assert store.get_meta("empty") == b""
+
+
+def test_data_sets_are_registered_by_info_hash(store):
+    assert store.datasets() == {}
+    store.add_dataset("aa" * 20, "first name")
+    store.add_dataset("bb" * 20, "other")
+    store.add_dataset("aa" * 20, "renamed")
+    assert store.datasets() == {"aa" * 20: "renamed", "bb" * 20: "other"}
+
+
+def test_a_run_is_kept_with_its_torrent_token_tokenizer_and_data_set(store):
+    first, second = spec("first", 1000.0), spec("second", 999.0, join_policy="token")
+    store.add_run(first, torrent(), None)
+    store.add_run(second, b"other torrent", "ef" * 32, b'{"model": {}}')
+    runs = store.runs()
+    assert [r.spec for r in runs] == [second, first]  # oldest first
+    assert [(r.torrent, r.join_token_hash, r.global_step, r.closed_at) for r in runs] == [
+        (b"other torrent", "ef" * 32, 0, None),
+        (torrent(), None, 0, None),
+    ]
+    assert store.tokenizer(second.run_id) == b'{"model": {}}'
+    assert store.tokenizer(first.run_id) is None
+    assert store.tokenizer("no-such-run") is None
+    assert store.datasets() == {first.dataset.infohash: first.dataset.manifest.name}
+
+
+def test_a_closed_step_is_recorded_and_advances_the_run(store):
+    run = spec()
+    store.add_run(run, torrent(), None)
+    store.close_step(run.run_id, record(0, loss=None))
+    store.close_step(run.run_id, record(1, samples=70))
+    assert store.runs()[0].global_step == 2
+    assert store.history(run.run_id) == [record(1, samples=70), record(0, loss=None)]  # newest first
+    assert store.history(run.run_id, limit=1) == [record(1, samples=70)]
+    assert store.history("no-such-run") == []
+
+
+def test_closing_a_run_keeps_its_first_time(store):
+    run = spec()
+    store.add_run(run, torrent(), None)
+    store.close_run(run.run_id, 3000.0)
+    store.close_run(run.run_id, 4000.0)
+    assert store.runs()[0].closed_at == 3000.0
+
+
+def test_evaluations_are_the_running_mean_of_their_reports_over_the_metrics_every_report_names(store):
+    run = spec()
+    store.add_run(run, torrent(), None)
+    first = store.add_eval(
+        run.run_id, EvalReport(step=10, loss=2.0, metrics={"acc": 0.5, "ppl": 7.0}, samples=100)
+    )
+    assert (first.loss, first.metrics, first.reports) == (2.0, {"acc": 0.5, "ppl": 7.0}, 1)
+    second = store.add_eval(run.run_id, EvalReport(step=10, loss=4.0, metrics={"acc": 0.7}, samples=100))
+    assert (second.loss, second.reports) == (3.0, 2)
+    assert second.metrics == pytest.approx({"acc": 0.6})  # ppl was not in every report
+    store.add_eval(run.run_id, EvalReport(step=20, loss=1.0, metrics={}, samples=100))
+    assert [(e.step, e.reports) for e in store.evals(run.run_id)] == [(20, 1), (10, 2)]  # newest first
+    assert [e.step for e in store.evals(run.run_id, limit=1)] == [20]
+    assert store.evals(run.run_id)[1] == second
+
+
+def test_deleting_a_run_takes_its_history_and_evaluations_and_leaves_its_data_set(store):
+    kept, deleted = spec("kept"), spec("deleted")
+    for run in (kept, deleted):
+        store.add_run(run, torrent(), None)
+        store.close_step(run.run_id, record(0))
+        store.add_eval(run.run_id, EvalReport(step=1, loss=1.0, metrics={}, samples=100))
+    store.delete_run(deleted.run_id)
+    assert [r.spec.run_id for r in store.runs()] == [kept.run_id]
+    assert store.history(deleted.run_id) == [] and store.evals(deleted.run_id) == []
+    assert len(store.history(kept.run_id)) == 1 and len(store.evals(kept.run_id)) == 1
+    assert deleted.dataset.infohash in store.datasets()
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, durable) in STORES.items() if durable))
+def test_a_durable_store_holds_everything_after_it_is_opened_again(name, tmp_path):
+    open_store = STORES[name][0]
+    store = open_store(tmp_path)
+    run = spec()
+    store.add_run(run, torrent(), "ef" * 32, b"{}")
+    store.set_meta("tracker_key", b"key")
+    store.close_step(run.run_id, record(0))
+    store.add_eval(run.run_id, EvalReport(step=1, loss=1.0, metrics={"acc": 1.0}, samples=100))
+    store.close_run(run.run_id, 3000.0)
+    store.close()
+    again = open_store(tmp_path)
+    [back] = again.runs()
+    assert (back.spec, back.join_token_hash, back.global_step, back.closed_at) == (run, "ef" * 32, 1, 3000.0)
+    assert again.get_meta("tracker_key") == b"key"
+    assert again.history(run.run_id) == [record(0)]
+    assert again.evals(run.run_id)[0].metrics == {"acc": 1.0}
+    assert again.tokenizer(run.run_id) == b"{}"
+    again.close()

@@ -1,0 +1,393 @@
+"""The share ledger of one run: how many samples each peer may compute for the open step, what it is
+credited with, and how many it may compute ahead for the next step (DeDLOC's target batch, cut up by rate).
+
+Pure: no asyncio and no clock. Every call that needs the time is told it (monotonic seconds), so the rules
+are tested on their own (``tests/test_ledger.py``) as :mod:`crowdtrain.tracker.matchmaking` is. The run
+(:class:`crowdtrain.tracker.collab.RunState`) reads a peer's :class:`Share` and the :class:`Tally`; only the
+ledger writes them, and it keeps the tally equal to the sum over the shares itself, so a heartbeat costs
+O(1) whatever the number of peers.
+
+The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
+
+* **Credit.** A peer is credited with what is plausible of the samples it claims for a step: no more than
+  it could have computed since the step began for it (SAMPLES_SLACK × its rate × the seconds since, plus two
+  micro-batches, over what it held then) and no more than its share cap; what the ledger allotted it for
+  the step is always credited (an honest peer stops there). A claim for a step before the peer's is not
+  credited at all: it was sent before the peer heard that a round moved it on.
+* **Share cap.** While another peer computes for the step or holds samples of it, one peer is credited at
+  most ``max_peer_share`` of the target: no peer closes a step alone or outweighs the rest of it.
+* **Allotment.** What is left of the target (the samples no peer holds yet) is shared out by rate: a peer's
+  fair share is what it holds plus ``left × its rate ÷ the rate of every peer that computes`` (an unknown
+  rate counts as the mean), within what the others do not hold or were not allotted, never less than it
+  holds. The allotments never sum above the target, so a step closes on exactly its target (or below it).
+* **Ahead share** (delay 1). A peer may compute ahead for the next step its share of a step by rate among
+  the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
+  mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
+  or the step's weight, whichever is larger, and the share cap.
+* **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
+  ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
+  its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
+  share took goes to the first peers below their cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from crowdtrain.protocol.messages import RunSpec
+
+log = logging.getLogger("crowdtrain.tracker")
+
+# A peer's samples for a step may grow by SAMPLES_SLACK × its rate × the seconds since the step began for it
+# (plus two micro-batches): room for a rate that rose since it reported it, not for a number out of thin air.
+SAMPLES_SLACK = 4.0
+# Sums of rates are kept by adding and subtracting each peer's rate, which leaves float dust (e.g. 2**-45)
+# where the exact sum is 0: what is left of a step divided by it gave ETAs of 2**47 s. A sum of rates
+# below RATE_DUST (samples per second: one sample in 11 days) is that dust, and counts as 0.
+RATE_DUST = 1e-6
+
+
+def _settled(rate_sum: float) -> float:
+    """A running sum of rates, its float dust (below :data:`RATE_DUST`) put back to 0."""
+    return 0.0 if abs(rate_sum) < RATE_DUST else rate_sum
+
+
+@dataclass(slots=True)
+class Share:
+    """One peer's part of the run's steps, as the ledger keeps it (read by the run, written by the ledger)."""
+
+    step: int = -1  # the step it is at, as far as the tracker knows
+    samples: int = 0  # credited for ``step``
+    samples_per_s: float = 0.0
+    computing: bool = True  # able to compute for the run (False: done, catching up, or no chunk yet)
+    allotted: int = 0  # samples it may accumulate for ``step`` (its share of the target)
+    ahead_share: int | None = None  # delay 1: what its last heartbeat reply told it it may compute ahead
+    capped: bool = False  # credited less than it claimed once (logged once)
+    counted_at: float = 0.0  # when its samples were last credited
+    step_since: float = 0.0  # when its current step began for it, as far as the tracker knows
+    step_base: int = 0  # the samples it held for the step then (computed ahead, with delay 1)
+
+
+@dataclass(slots=True)
+class Tally:
+    """Sums over every share, for the run's global step; kept by the ledger alone."""
+
+    samples: int = 0  # Σ samples of the peers at the step
+    contributors: int = 0  # peers at the step holding samples of it
+    rate_sum: float = 0.0  # Σ rate of every peer
+    idle_rate: float = 0.0  # Σ rate of peers at the step that compute nothing for it (incl. done ones)
+    done_rate: float = 0.0  # of those, the peers done with it (holding samples, computing the next ahead)
+    done_rated: int = 0
+    rated: int = 0  # peers computing (or on their way to the step) whose rate is known
+    unrated: int = 0  # ... and those whose rate is not known yet
+    reserved: int = 0  # Σ max(allotted, samples) of the peers at the step
+    computing: int = 0  # peers at the step still computing for it
+    present: int = 0  # peers at the step computing for it or holding samples of it
+
+    def count(self, share: Share, at_step: bool, sign: int) -> None:
+        """Add (``sign`` 1) or take away (-1) one share."""
+        r = share.samples_per_s
+        self.rate_sum = _settled(self.rate_sum + sign * r)
+        if at_step and not share.computing:  # done, catching up or holding no chunk: computes no more for it
+            self.idle_rate = _settled(self.idle_rate + sign * r)
+            if share.samples > 0:  # done with it (delay 1: computing the next step ahead)
+                self.done_rate = _settled(self.done_rate + sign * r)
+                self.done_rated += sign * (r > 0)
+        else:
+            self.rated += sign * (r > 0)
+            self.unrated += sign * (r <= 0)
+        if at_step:
+            self.computing += sign * share.computing
+            self.present += sign * (share.computing or share.samples > 0)
+            self.samples += sign * share.samples
+            self.contributors += sign * (share.samples > 0)
+            self.reserved += sign * max(share.allotted, share.samples)
+
+
+class _Change:
+    """:meth:`Ledger._changing`'s context (a class, not a generator: it runs several times per heartbeat)."""
+
+    __slots__ = ("ledger", "share")
+
+    def __init__(self, ledger: Ledger, share: Share) -> None:
+        self.ledger = ledger
+        self.share = share
+
+    def __enter__(self) -> Share:
+        self.ledger.tally.count(self.share, self.share.step == self.ledger.step, -1)
+        return self.share
+
+    def __exit__(self, *exc: object) -> None:
+        self.ledger.tally.count(self.share, self.share.step == self.ledger.step, 1)
+
+
+class Ledger:
+    """The shares of one run's peers and the rules above. ``step`` is the run's global step."""
+
+    def __init__(
+        self,
+        run_id: str,
+        target: int,
+        micro_batch_size: int,
+        max_peer_share: float,
+        *,
+        step: int = 0,
+        delay: bool = False,
+    ) -> None:
+        self.run_id = run_id  # (for the log)
+        self.target = target
+        self.micro_batch_size = micro_batch_size
+        self.max_peer_share = max_peer_share
+        self.delay = delay  # delay 1: peers compute ahead, and are told how much they may
+        self.step = step
+        self.tally = Tally()
+        self._shares: dict[str, Share] = {}
+        # what ready calls of this step said was computed ahead for the next one (credited), and when
+        self._ahead: dict[str, tuple[int, float]] = {}
+
+    @classmethod
+    def of(cls, spec: RunSpec, step: int) -> Ledger:
+        return cls(
+            spec.run_id,
+            spec.target_batch_size,
+            spec.micro_batch_size,
+            spec.averaging.max_peer_share,
+            step=step,
+            delay=bool(spec.averaging.delay),
+        )
+
+    def _changing(self, share: Share) -> _Change:
+        """``with self._changing(share):`` takes the share out of the tally while it changes, and puts it
+        back as it is then: the only way a share changes, so the tally is always the sum over them."""
+        return _Change(self, share)
+
+    # ------------------------------------------------------------ membership
+
+    def add(self, peer_id: str, now: float) -> Share:
+        """A new share for ``peer_id`` (one it had before is dropped): at no step yet, computing."""
+        self.remove(peer_id, forget_ahead=False)
+        share = self._shares[peer_id] = Share(counted_at=now)
+        self.tally.count(share, share.step == self.step, 1)
+        return share
+
+    def remove(self, peer_id: str, *, forget_ahead: bool = True) -> None:
+        share = self._shares.pop(peer_id, None)
+        if share is not None:
+            self.tally.count(share, share.step == self.step, -1)
+        if forget_ahead:
+            self._ahead.pop(peer_id, None)
+
+    def share(self, peer_id: str) -> Share | None:
+        return self._shares.get(peer_id)
+
+    def recount(self) -> Tally:
+        """The tally summed afresh over every share (what the kept one must equal)."""
+        tally = Tally()
+        for share in self._shares.values():
+            tally.count(share, share.step == self.step, 1)
+        return tally
+
+    # ------------------------------------------------------------ what peers report
+
+    def report(
+        self,
+        peer_id: str,
+        *,
+        step: int,
+        samples: int,
+        samples_per_s: float,
+        computing: bool,
+        now: float,
+        step_open: bool,
+    ) -> Share:
+        """A heartbeat: credit its samples, take its rate, allot it its share of the step (none while the
+        step is closed or the peer is at another one) and, with delay 1, what it may compute ahead."""
+        share = self._shares[peer_id]
+        with self._changing(share):
+            # A heartbeat for a step before the peer's (sent before it heard that a round moved it on,
+            # answered after) says nothing of the step it is at: crediting it would move the peer back, free
+            # its allotment for the others while it computes toward it, and overshoot the target; "not
+            # computing" would close its new step early.
+            if step >= share.step:
+                share.samples_per_s = max(share.samples_per_s, samples_per_s)  # the growth allowed since then
+                self._credit(peer_id, share, step, samples, now)
+                share.computing = computing
+            share.samples_per_s = samples_per_s
+            share.allotted = self._allot(share) if share.step == self.step and step_open else 0
+        share.ahead_share = self._ahead_share(share) if self.delay else None
+        return share
+
+    def credit_ready(self, peer_id: str, step: int, weight: int, ahead: int, now: float) -> int:
+        """The weight credited to a ready call for ``step``, as a heartbeat's samples would be (it counts
+        for the step's samples too). Its samples computed ahead are kept for the next step (:meth:`advance`),
+        no more than the weight or the peer's ahead share, whichever is larger, nor the share cap."""
+        share = self._shares.get(peer_id)
+        if share is None:
+            self._ahead[peer_id] = (0, now)
+            return 0
+        if weight != share.samples or share.step != step:
+            with self._changing(share):
+                self._credit(peer_id, share, step, weight, now)
+            weight = share.samples
+        bound = max(weight, share.ahead_share or 0, 2 * self.micro_batch_size)
+        self._ahead[peer_id] = (min(ahead, bound, self.share_cap(others=True)), now)
+        return weight
+
+    def reopen(self) -> None:
+        """The step opens again (no round formed): what its ready calls said was computed ahead is void."""
+        self._ahead = {}
+
+    # ------------------------------------------------------------ what peers are told
+
+    def allotment(self, peer_id: str, step_open: bool) -> int | None:
+        """A heartbeat reply's allotment: the peer's, while the step is open and it is at it."""
+        share = self._shares[peer_id]
+        return share.allotted if share.step == self.step and step_open else None
+
+    def next_allotment(self, peer_id: str, step: int) -> int | None:
+        """A ready reply's allotment of the step after ``step``, if the round of ``step`` moved it there."""
+        share = self._shares.get(peer_id)
+        fresh = share is not None and share.step == self.step == step + 1
+        return share.allotted if share is not None and fresh else None
+
+    def eta_s(self, step_open: bool) -> float | None:
+        """Seconds until the step's target is reached at the run's rate (0 once closed; None: no rate)."""
+        if not step_open:
+            return 0.0
+        if self.tally.rate_sum < RATE_DUST:
+            return None
+        return max(0.0, (self.target - self.tally.samples) / self.tally.rate_sum)
+
+    def share_cap(self, others: bool) -> int:
+        """The most samples one peer is credited for a step while ``others`` (another peer computes for the
+        step or holds samples of it): ``max_peer_share`` of the target, so that no peer closes a step alone
+        or outweighs the rest of a step when others take part."""
+        if not others:
+            return self.target
+        return max(1, math.ceil(self.max_peer_share * self.target))
+
+    # ------------------------------------------------------------ the rules
+
+    def _credit(self, peer_id: str, share: Share, step: int, claimed: int, now: float) -> None:
+        """Credit the share with what is plausible of the ``claimed`` samples for ``step`` (and move it to
+        that step). The share is out of the tally while this runs."""
+        if share.step == step:
+            held, base, since = share.samples, share.step_base, share.step_since
+        else:  # a step new to it: begun at the latest when it last reported
+            held, base, since = 0, 0, share.counted_at
+        plausible = max(held, base + self._growth(share, now - since))
+        cap = self.share_cap(others=step == self.step and self.tally.present > 0)
+        # what the ledger allotted it for this step stands (e.g. all of it while it was alone), so a
+        # peer that kept to its allotment is never cut back when others arrive
+        granted = share.allotted if share.step == step else 0
+        credited = min(claimed, max(plausible, granted), max(cap, held, granted))
+        if credited < claimed and not share.capped:
+            share.capped = True
+            log.info(
+                "run %s: peer %s claimed %d samples of step %d; credited %d (rate %.3g/s, share cap %d)",
+                self.run_id,
+                peer_id,
+                claimed,
+                step,
+                credited,
+                share.samples_per_s,
+                cap,
+            )
+        share.step, share.samples, share.step_base, share.step_since = step, credited, base, since
+        share.counted_at = now
+
+    def _growth(self, share: Share, seconds: float) -> int:
+        """The most samples a peer is taken to compute in ``seconds``: SAMPLES_SLACK × its rate × the
+        seconds, plus two micro-batches (one in flight, one begun), at most the target."""
+        growth = SAMPLES_SLACK * share.samples_per_s * max(0.0, seconds) + 2 * self.micro_batch_size
+        return math.ceil(min(growth, float(self.target)))
+
+    def _allot(self, share: Share) -> int:
+        """How many samples a peer may accumulate for the step (its share is out of the tally).
+
+        Its fair share is what it holds plus ``left × its rate ÷ computing rate``, so the peers finish
+        together even when they began the step with different samples in hand. It is allotted that, within
+        what the others do not hold or were not allotted yet, and never less than it holds; a peer that
+        reached its allotment while samples are still free gets its share of those."""
+        if not share.computing:
+            return share.samples
+        t = self.tally
+        free = self.target - t.reserved - share.samples
+        if free <= 0:
+            return share.samples
+        r = share.samples_per_s
+        rated, unrated = t.rated + (r > 0), t.unrated + (r <= 0)
+        known = max(0.0, t.rate_sum - t.idle_rate) + max(r, 0.0)
+        total = known * (1 + unrated / rated) if rated else 0.0  # an unknown rate counts as the mean
+        part = r / total if r > 0 and total > 0 else 1 / max(1, rated + unrated)
+        left = max(0, self.target - t.samples - share.samples)
+        more = math.ceil(left * part)
+        if share.samples >= share.allotted:  # at its allotment: a share of what is still free
+            more = max(more, math.ceil(free * part))
+        allotted = share.samples + min(free, max(more, share.allotted - share.samples, 0))
+        return max(share.samples, min(allotted, self.share_cap(others=t.present > 0)))
+
+    def _ahead_share(self, share: Share) -> int | None:
+        """How many samples a peer may compute ahead for the next step (its share is in the tally); None
+        while its own rate is unknown."""
+        r = share.samples_per_s
+        t = self.tally
+        rated = t.rated + t.done_rated
+        if r <= 0 or not rated:
+            return None
+        known = max(t.rate_sum - t.idle_rate + t.done_rate, r)
+        part = r * rated / (known * (rated + t.unrated))  # an unknown rate counts as the mean
+        return min(math.floor(self.target * part + 1e-9), self.share_cap(others=True))
+
+    # ------------------------------------------------------------ a new step
+
+    def advance(self, moved: list[str], now: float) -> None:
+        """The round of the step formed: the run is at the next step, and each of the ``moved`` peers (the
+        averaged ones, in the round's order) is at it, computing, with what it computed ahead for it (delay
+        1; else nothing), and is allotted its share now, so the ready reply carries it and the peer computes
+        on without waiting for a heartbeat's answer."""
+        self.step += 1
+        self.tally = self.recount()
+        ahead, self._ahead = self._ahead, {}
+        shares = [(peer_id, self._shares[peer_id]) for peer_id in moved]
+        # those done with the step compute ahead (delay 1), up to their ahead share, until they hear of this
+        # round: more than their ready call said, so their allotment holds that share (see _allot_ahead)
+        done = {peer_id for peer_id, s in shares if not s.computing and s.samples > 0}
+        shares.sort(key=lambda ps: ps[0] not in done)
+        for peer_id, share in shares:
+            with self._changing(share):
+                share.step, share.computing = self.step, True
+                share.samples = min(ahead.get(peer_id, (0, now))[0], self.target)
+                share.allotted = 0  # its allotment of the step before must not hold samples of this one
+                share.step_base, share.step_since = share.samples, now
+        # Allotted once all are at the new step, so each one's share (and cap) counts the others.
+        self._allot_ahead([(s, ahead.get(p, (0, now))[1]) for p, s in shares if p in done], now)
+        for _, share in shares:
+            with self._changing(share):
+                share.allotted = self._allot(share)
+        self._allot_free([s for _, s in shares])
+
+    def _allot_ahead(self, computing_ahead: list[tuple[Share, float]], now: float) -> None:
+        """A peer that computes ahead is allotted what it may have computed since its ready call (said at
+        the time given with it; as a heartbeat's samples may grow, within the share it was told it may
+        compute ahead), so samples it holds are never left out of the target."""
+        for share, said_at in computing_ahead:
+            if share.ahead_share is None:
+                continue
+            may_hold = share.samples + self._growth(share, now - said_at)
+            with self._changing(share):
+                free = max(0, self.target - self.tally.reserved - share.samples)
+                share.allotted = max(share.samples, min(share.ahead_share, may_hold, share.samples + free))
+
+    def _allot_free(self, shares: list[Share]) -> None:
+        """What no share took (rounding, or the share cap of a peer whose rate share is above it) goes to
+        the first peers below their cap: a peer done with its allotment asks for no more (delay 1)."""
+        for share in shares:
+            free = self.target - self.tally.reserved
+            if free <= 0:
+                break
+            with self._changing(share):
+                held = max(share.allotted, share.samples)
+                share.allotted = max(held, min(held + free, self.share_cap(others=self.tally.present > 0)))

@@ -1,0 +1,122 @@
+"""A formed step's rounds: the signed :class:`GroupAssignment` of each group of each phase, the step's durable
+record, and the newest formed steps kept, so a late ready call gets its own assignment again and donors are
+vouched for by who took part. The partition itself is :mod:`crowdtrain.tracker.matchmaking`'s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from crowdtrain.protocol.credentials import SigningKey, sign_assignment
+from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMember, StepRecord
+from crowdtrain.tracker.matchmaking import Candidate, Group
+
+if TYPE_CHECKING:
+    from crowdtrain.tracker.collab import Peer
+
+KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+
+
+class Rounds:
+    """The assignments of the newest KEEP_FORMED_STEPS formed steps, phase by phase, by peer."""
+
+    def __init__(self) -> None:
+        self._formed: OrderedDict[int, dict[str, list[GroupAssignment]]] = OrderedDict()
+
+    def add(self, step: int, assignments: dict[str, list[GroupAssignment]]) -> None:
+        self._formed[step] = assignments
+        while len(self._formed) > KEEP_FORMED_STEPS:
+            self._formed.popitem(last=False)
+
+    def of(self, step: int, peer_id: str) -> list[GroupAssignment]:
+        """The peer's assignments of ``step``, one per phase; none if it was not averaged (or it is too old)."""
+        return self._formed.get(step, {}).get(peer_id, [])
+
+    def knows(self, step: int) -> bool:
+        """Whether ``step`` formed and is still kept (so who took part in it is known)."""
+        return step in self._formed
+
+    def took_part(self, step: int, peer_id: str) -> bool:
+        return peer_id in self._formed.get(step, {})
+
+
+def sign_round(
+    signer: SigningKey,
+    run_id: str,
+    step: int,
+    seed: int,
+    candidates: list[Candidate],
+    phases: list[list[Group]],
+    peers: Mapping[str, Peer],
+    averaging: AveragingSpec,
+    now: float,
+) -> dict[str, list[GroupAssignment]]:
+    """One signed assignment per group of each phase of the ready ``candidates`` (each phase its own
+    deadline), listed by member: a candidate's assignments, phase by phase."""
+    average_params = averaging.average_state_every > 0 and (step + 1) % averaging.average_state_every == 0
+    step_samples = sum(c.weight for c in candidates)
+    assignments: dict[str, list[GroupAssignment]] = {c.peer_id: [] for c in candidates}
+    for phase, groups in enumerate(phases):
+        deadline = now + averaging.round_timeout_s * (phase + 1)  # phase by phase, each its own timeout
+        for index, group in enumerate(groups):
+            assignment = GroupAssignment(
+                run_id=run_id,
+                round_id=f"{run_id}.{step}.{phase}.{index}.{seed:016x}",
+                step=step,
+                members=_members(group, peers),
+                parts=len(group.owners),
+                average_params=average_params,
+                deadline=deadline,
+                seed=seed,
+                phase=phase,
+                phases=len(phases),
+                step_samples=step_samples,
+                signature="",
+            )
+            signed = sign_assignment(signer, assignment)
+            for peer_id in group.members:
+                assignments[peer_id].append(signed)
+    return assignments
+
+
+def _members(group: Group, peers: Mapping[str, Peer]) -> list[GroupMember]:
+    """A group's members: a part owner with its address and part, the others (client mode) with part -1."""
+    part_of = {peer_id: i for i, peer_id in enumerate(group.owners)}
+    return [
+        GroupMember(
+            peer_id=peer_id,
+            address=peers[peer_id].reach.address if peer_id in part_of else None,
+            public_key=peers[peer_id].public_key,
+            weight=weight,
+            part=part_of.get(peer_id, -1),
+        )
+        for peer_id, weight in zip(group.members, group.weights, strict=True)
+    ]
+
+
+def step_record(
+    step: int,
+    candidates: list[Candidate],
+    groups: list[Group],
+    seed: int,
+    peers: Mapping[str, Peer],
+    closed_at: float,
+    duration_s: float,
+) -> StepRecord:
+    """The formed step's history record: credited with the samples that were averaged (the candidates'
+    weights), its first phase's groups, and the averaged peers' last training loss, weighted by samples."""
+    losses = [(c.weight, peers[c.peer_id].loss) for c in candidates if c.weight > 0]
+    known = [(w, loss) for w, loss in losses if loss is not None]
+    total = sum(w for w, _ in known)
+    return StepRecord(
+        step=step,
+        closed_at=closed_at,
+        duration_s=max(0.0, duration_s),
+        samples=sum(c.weight for c in candidates),
+        peers=len(candidates),
+        groups=len(groups),
+        seed=seed,
+        loss=sum(w * loss for w, loss in known) / total if total else None,
+    )

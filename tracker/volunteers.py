@@ -1,0 +1,174 @@
+"""The routes volunteers call: join, the signed heartbeat / ready / leave / state declaration, the donor list
+and the step watch. Each reads the request, calls the run's :class:`~crowdtrain.tracker.collab.RunState`
+and turns its answer (or refusal) into a reply; the rules live there."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from crowdtrain import __version__
+from crowdtrain.protocol.credentials import issue_credential
+from crowdtrain.protocol.errors import AuthError
+from crowdtrain.protocol.messages import (
+    MAX_INT,
+    PEER_PROTOCOL,
+    Heartbeat,
+    JoinRequest,
+    JoinResponse,
+    LeaveRequest,
+    ReadyRequest,
+    StateDeclare,
+    decode,
+)
+from crowdtrain.tracker.collab import Peer, RunState
+from crowdtrain.tracker.donors import StateRefused
+from crowdtrain.tracker.reach import AddressError, resolve_address
+from crowdtrain.tracker.replies import ApiError, json_reply, query_number
+from crowdtrain.tracker.runs import Run
+
+if TYPE_CHECKING:
+    from crowdtrain.tracker.server import Tracker
+
+
+class Volunteers:
+    """The volunteers' routes of one tracker."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+        self.config = tracker.config
+
+    def _full(self, run: RunState) -> ApiError:
+        limit = self.config.max_peers_per_run
+        return ApiError(503, f"run {run.run_id} has {limit} peers, its limit; try again later")
+
+    @staticmethod
+    def _address(declared: str | None, request: web.Request) -> str | None:
+        if declared is None:
+            return None
+        try:
+            return resolve_address(declared, request.remote)
+        except AddressError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def _signed(self, request: web.Request, kind: type[Any]) -> tuple[RunState, Any, str]:
+        """A volunteer's request: run, decoded body, the credential's public key (its peer id checked
+        against the body's)."""
+        run = self.tracker.run_of(request).state
+        refusal = run.refusal()
+        if refusal is not None and kind is not LeaveRequest:  # (leaving a closed run is fine)
+            raise ApiError(410, refusal)
+        body = await self.tracker.body(request)
+        credential = self.tracker.auth.check(
+            request.headers, run.run_id, request.path, hashlib.sha256(body).hexdigest()
+        )
+        msg = decode(body, kind, self.tracker.limits)
+        if msg.peer_id != credential.peer_id:
+            raise AuthError(f"credential is for peer {credential.peer_id}, not {msg.peer_id}")
+        return run, msg, credential.public_key
+
+    @staticmethod
+    def _known(run: RunState, peer_id: str) -> Peer:
+        peer = run.peer(peer_id)
+        if peer is None:
+            raise ApiError(
+                404, f"peer {peer_id} is not registered in run {run.run_id}; send a heartbeat or join again"
+            )
+        return peer
+
+    def _check_join(self, record: Run, msg: JoinRequest) -> None:
+        if record.private:
+            if not msg.token:
+                raise ApiError(401, f"run {record.run_id} is private; pass its join token (--token)")
+            if not record.admits(msg.token):
+                raise ApiError(403, f"the join token for run {record.run_id} is wrong")
+        if msg.peer_protocol != PEER_PROTOCOL:
+            theirs = f" ({msg.client_version})" if msg.client_version else ""
+            raise ApiError(
+                409,
+                f"this volunteer's crowdtrain{theirs} speaks peer protocol {msg.peer_protocol} but the peers of "
+                f"this tracker speak {PEER_PROTOCOL}; install crowdtrain {__version__}, the tracker's version",
+            )
+
+    async def join(self, request: web.Request) -> web.Response:
+        record = self.tracker.run_of(request)
+        run = record.state
+        refusal = run.refusal()
+        if refusal is not None:
+            raise ApiError(410, refusal)
+        if not self.tracker.join_limit.allow(request.remote or ""):
+            raise ApiError(429, "too many joins from your address; wait a few seconds and try again")
+        msg = decode(await self.tracker.body(request), JoinRequest, self.tracker.limits)
+        self._check_join(record, msg)
+        if run.full(self.config.max_peers_per_run):
+            raise self._full(run)
+        address = self._address(msg.address, request)
+        peer_id = secrets.token_hex(8)
+        credential = issue_credential(
+            self.tracker.signer, run.run_id, peer_id, msg.public_key, self.config.credential_ttl_s
+        )
+        self.tracker.auth.remember(credential)
+        peer = run.join(peer_id, msg.public_key)
+        self.tracker.checker.update(peer, address, None, request.remote or "")
+        return json_reply(
+            JoinResponse(
+                peer_id=peer_id,
+                credential=credential,
+                global_step=run.global_step,
+                heartbeat_interval_s=self.config.heartbeat_interval_s,
+                peer_ttl_s=self.config.peer_ttl_s,
+                session_key=self.tracker.auth.session_key_for(credential),
+                observed_host=request.remote,
+            )
+        )
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        run, hb, public_key = await self._signed(request, Heartbeat)
+        address = self._address(hb.address, request)
+        # after a tracker restart or an expiry: the signed credential registers it again
+        peer = run.member(hb.peer_id, public_key, self.config.max_peers_per_run)
+        if peer is None:
+            raise self._full(run)
+        if hb.eval is not None:  # (before anything of the heartbeat is taken)
+            refusal = run.eval_refusal(hb.eval)
+            if refusal is not None:
+                raise ApiError(400, refusal)
+        self.tracker.checker.update(peer, address, hb.bt_port, request.remote or "")
+        return json_reply(run.heartbeat(peer, hb))
+
+    async def ready(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, ReadyRequest)
+        peer = self._known(run, msg.peer_id)
+        long_poll_s = self.config.long_poll_s
+        wait_s = min(long_poll_s, query_number(request, "wait_s", float, 0.0, 3600.0, default=long_poll_s))
+        return json_reply(await run.ready_call(peer, msg.step, msg.weight, wait_s, msg.ahead))
+
+    async def leave(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, LeaveRequest)
+        if not run.leave(msg.peer_id):
+            raise ApiError(404, f"peer {msg.peer_id} is not registered in run {run.run_id}")
+        return web.Response(status=204)
+
+    async def declare_state(self, request: web.Request) -> web.Response:
+        run, msg, _ = await self._signed(request, StateDeclare)
+        peer = self._known(run, msg.peer_id)
+        try:
+            run.declare_state(peer, [msg.state, *msg.older])
+        except StateRefused as exc:
+            raise ApiError(exc.status, str(exc)) from None
+        return web.Response(status=204)
+
+    async def donors(self, request: web.Request) -> web.Response:
+        return json_reply(self.tracker.run_of(request).state.donors())
+
+    async def watch_step(self, request: web.Request) -> web.Response:
+        """A long-poll: answers once step ``step`` closed or the run passed it (or after ``wait_s``)."""
+        run = self.tracker.run_of(request).state
+        step = query_number(request, "step", int, 0, MAX_INT)
+        wait_s = min(
+            self.config.long_poll_s, query_number(request, "wait_s", float, 0.0, 3600.0, default=0.0)
+        )
+        return json_reply(await run.wait_close(step, wait_s))
