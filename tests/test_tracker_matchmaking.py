@@ -132,3 +132,23 @@ def test_a_plan_is_reproducible_from_its_seed():
     candidates = [Candidate(f"p{i:02d}", i % 3 == 0, i) for i in range(20)]
     assert plan(candidates, 4, 11) == plan(candidates, 4, 11)
     assert plan(candidates, 4, 11) != plan(candidates, 4, 12)
+
+
+def test_the_largest_column_is_the_count_of_dealing_members_one_by_one():
+    """`_largest_column` answers in O(1) what dealing the members round the columns one by one counts (the
+    loop it replaced cost the search N^1.8 per step at 1,000 volunteers)."""
+    from crowdtrain.tracker.matchmaking import _largest_column
+
+    def dealt(node_sizes: list[int]) -> int:
+        columns = min(node_sizes)
+        counts, offset = [0] * columns, 0
+        for s in node_sizes:
+            for j in range(s):
+                counts[(offset + j) % columns] += 1
+            offset += s
+        return max(counts)
+
+    rng = random.Random(26)
+    for _ in range(3000):
+        sizes = [rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
+        assert _largest_column(sizes) == dealt(sizes), sizes

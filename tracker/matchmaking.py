@@ -156,14 +156,10 @@ def _deal(sizes: tuple[int, ...], k: int) -> list[list[int]]:
 
 
 def _largest_column(node_sizes: list[int]) -> int:
-    columns = min(node_sizes)
-    counts = [0] * columns
-    offset = 0
-    for s in node_sizes:
-        for j in range(s):
-            counts[(offset + j) % columns] += 1
-        offset += s
-    return max(counts)
+    """The most members one column gets when the nodes' members are dealt, one after another, round the
+    ``min(node_sizes)`` columns: ``ceil(total / columns)``. (Counting them one by one cost O(N) per call and
+    the search calls it for every cluster of every count it tries: N^1.8 over a step at 1,000 volunteers.)"""
+    return -(-sum(node_sizes) // min(node_sizes))
 
 
 def _best_k(sizes: list[int], group_size: int) -> int:
