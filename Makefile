@@ -43,9 +43,18 @@ test: $(VENV)/.installed browser
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow"
 
+# mypy reads the package in its installed shape, crowdtrain.<folder>, through a tree of links made afresh each
+# time (it cannot follow the editable install's import hook), and its findings name the repository's files.
+TYPED := build/typecheck
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	rm -rf $(TYPED) && mkdir -p $(TYPED)/crowdtrain
+	ln -s $(CURDIR)/crowdtrain/* $(CURDIR)/protocol $(CURDIR)/datasets $(CURDIR)/tracker $(CURDIR)/volunteer \
+	    $(TYPED)/crowdtrain/
+	$(PY) -m mypy > $(TYPED)/mypy.txt; status=$$?; \
+	    sed -E 's#^$(TYPED)/crowdtrain/(protocol|datasets|tracker|volunteer)/#\1/#; s#^$(TYPED)/##' $(TYPED)/mypy.txt; \
+	    exit $$status
 
 # Each prints its figures and ratios measured side by side in one run (see docs/benchmarks.md).
 bench: $(VENV)/.installed
@@ -54,6 +63,7 @@ bench: $(VENV)/.installed
 	$(PY) bench/catchup.py
 	$(PY) bench/time_to_first_batch.py
 	$(PY) bench/tracker_load.py
+	$(PY) bench/steps.py --peers 100 300 --steps 3 --warmup 1
 	$(PY) bench/startup.py
 
 # Runs the fault scenarios and rewrites docs/reliability.md from their own records.

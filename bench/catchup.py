@@ -1,7 +1,8 @@
 """State catch-up from 1, 2 and 3 donors, each rate-limited to the same upload rate, on loopback.
 
-A ~100M-parameter state (random fp32 tensors, ~400 MB) is snapshotted once; each donor is its own
-process serving it with ``StateServer`` (upload paced to ``--rate`` MiB/s); the newcomer (this process)
+A ~100M-parameter state (random fp32 tensors, ~400 MB) is snapshotted once into a file, as a volunteer
+writes it (``save_snapshot``); each donor is its own process serving that file with ``StateServer`` under the
+snapshot's manifest (upload paced to ``--rate`` MiB/s); the newcomer (this process)
 fetches it with ``fetch_state`` from the first 1, 2, 3 donors and loads it with ``load_snapshot``.
 Printed: MB/s of the download, time to the verified bytes, time to a loaded state, and the ratio to one
 donor. A last scenario adds a donor at a quarter of the rate to show that work-stealing does not wait
@@ -29,14 +30,13 @@ RUN_ID = "bench-catchup"
 async def donor_main(args: argparse.Namespace) -> None:
     from aiohttp import web
 
+    from crowdtrain.protocol.messages import StateManifest, decode
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.serve import StateServer
-    from crowdtrain.volunteer.state.snapshot import describe
+    from crowdtrain.volunteer.state.snapshot import Snapshot
 
-    data = await asyncio.to_thread(Path(args.file).read_bytes)
-    snap = await asyncio.to_thread(
-        describe, data, run_id=RUN_ID, step=args.step, range_bytes=args.range_mib * MiB
-    )
+    manifest = decode(await asyncio.to_thread(Path(args.manifest).read_bytes), StateManifest)
+    snap = Snapshot.of(manifest, path=Path(args.file))
     config = StateConfig(range_bytes=args.range_mib * MiB, upload_rate=args.rate * MiB, max_uploads=16)
     server = StateServer(run_id=RUN_ID, tracker_public_key=args.tracker_key, config=config)
     server.publish(snap)
@@ -54,7 +54,7 @@ async def donor_main(args: argparse.Namespace) -> None:
 
 
 async def start_donor(
-    file: Path, rate: float, args: argparse.Namespace, tracker_key: str
+    file: Path, manifest: Path, rate: float, args: argparse.Namespace, tracker_key: str
 ) -> tuple[asyncio.subprocess.Process, int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -62,6 +62,8 @@ async def start_donor(
         "--donor",
         "--file",
         str(file),
+        "--manifest",
+        str(manifest),
         "--rate",
         str(rate),
         "--range-mib",
@@ -80,10 +82,10 @@ async def start_donor(
     return proc, info["port"], info["hash"]
 
 
-def make_state(params: int, step: int, range_mib: int):
+def make_state(file: Path, params: int, step: int, range_mib: int):
     import torch
 
-    from crowdtrain.volunteer.state.snapshot import make_snapshot
+    from crowdtrain.volunteer.state.snapshot import save_snapshot
 
     gen = torch.Generator().manual_seed(0)
     per = 4 * MiB
@@ -95,7 +97,8 @@ def make_state(params: int, step: int, range_mib: int):
         model_state[f"layers.{i}.weight"] = torch.randn(n, generator=gen)
         left -= n
         i += 1
-    return make_snapshot(
+    return save_snapshot(
+        file,
         run_id=RUN_ID,
         step=step,
         recipe="bench",
@@ -109,36 +112,34 @@ def make_state(params: int, step: int, range_mib: int):
 
 async def bench(args: argparse.Namespace) -> None:
     from crowdtrain.protocol.credentials import SigningKey, issue_credential
-    from crowdtrain.protocol.messages import Donor
+    from crowdtrain.protocol.messages import Donor, encode
     from crowdtrain.volunteer.events import DonorBanned, StateLoaded
     from crowdtrain.volunteer.state.config import StateConfig
     from crowdtrain.volunteer.state.fetch import fetch_state
     from crowdtrain.volunteer.state.snapshot import load_snapshot
 
-    t = time.perf_counter()
-    snap = await asyncio.to_thread(make_state, args.params, args.step, args.range_mib)
-    size = len(snap.data)
-    print(
-        f"state: {args.params / 1e6:.0f}M params, {size / 1e6:.0f} MB, made in {time.perf_counter() - t:.1f} s",
-        flush=True,
-    )
     tracker = SigningKey()
     key = SigningKey()
     credential = issue_credential(tracker, RUN_ID, "newcomer", key.public_hex, ttl_s=3600)
-    config = StateConfig(
-        range_bytes=args.range_mib * MiB, accept_zstd=args.zstd, max_state_bytes=max(size, 1 << 30)
-    )
 
     with tempfile.TemporaryDirectory() as tmp:
-        file = Path(tmp) / "state.safetensors"
-        await asyncio.to_thread(file.write_bytes, snap.data)
-        version = snap.version
-        del snap
+        file, manifest = Path(tmp) / "state.safetensors", Path(tmp) / "state.manifest.json"
+        t = time.perf_counter()
+        snap = await asyncio.to_thread(make_state, file, args.params, args.step, args.range_mib)
+        size, version = snap.size, snap.version
+        manifest.write_bytes(encode(snap.manifest))
+        print(
+            f"state: {args.params / 1e6:.0f}M params, {size / 1e6:.0f} MB, made in {time.perf_counter() - t:.1f} s",
+            flush=True,
+        )
+        config = StateConfig(
+            range_bytes=args.range_mib * MiB, accept_zstd=args.zstd, max_state_bytes=max(size, 1 << 30)
+        )
         rates = [args.rate] * 3 + [args.rate / 4]
         procs = []
         try:
             started = await asyncio.gather(
-                *(start_donor(file, rate, args, tracker.public_hex) for rate in rates)
+                *(start_donor(file, manifest, rate, args, tracker.public_hex) for rate in rates)
             )
             procs.extend(proc for proc, _, _ in started)
             assert all(h == version.content_hash for _, _, h in started), "a donor hashed a different state"
@@ -223,6 +224,7 @@ def main() -> None:
     p.add_argument("--zstd", action="store_true", help="accept zstd ranges (random tensors barely compress)")
     p.add_argument("--donor", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--file", help=argparse.SUPPRESS)
+    p.add_argument("--manifest", help=argparse.SUPPRESS)
     p.add_argument("--tracker-key", help=argparse.SUPPRESS)
     args = p.parse_args()
     asyncio.run(donor_main(args) if args.donor else bench(args))

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+# (run as a script, bench/ is on sys.path: the plumbing is bench/utilization.py's)
 from utilization import KiB, Proc, cores, model_args, param_count, published, start_volunteer, stop_all, tails
 
 FLOOR = """

@@ -104,16 +104,7 @@ class SwarmStats:
     hash_failures: int
 
 
-@dataclass(frozen=True, slots=True)
-class PeerTotals:
-    """Payload bytes exchanged with one remote session (identified by its peer-id prefix)."""
-
-    fingerprint: str
-    downloaded: int  # bytes we got from it
-    uploaded: int  # bytes we sent it
-
-
-def _settings(cfg: SessionConfig, fingerprint: str) -> dict:
+def _settings(cfg: SessionConfig, fingerprint: str) -> lt.settings_pack:
     mask = (
         lt.alert_category.error
         | lt.alert_category.status
@@ -148,7 +139,7 @@ def _settings(cfg: SessionConfig, fingerprint: str) -> dict:
 
 
 class Download:
-    """One torrent in a :class:`TorrentSession`: the chunks verified so far, stats and per-peer totals.
+    """One torrent in a :class:`TorrentSession`: the chunks verified so far and its stats.
 
     The session feeds it the torrent's libtorrent alerts (:meth:`on_alert`) and calls :meth:`scan`
     periodically, both on the event loop. A chunk is held only once libtorrent reported its file complete,
@@ -170,7 +161,6 @@ class Download:
         self.data_dir = data_dir
         self.verified: set[int] = set()
         self.hash_failures = 0  # pieces libtorrent rejected (SHA-1) and fetches again
-        self.verify_failures = 0  # complete files whose sha256 did not match the manifest
         self.error: str | None = None  # why libtorrent cannot use the torrent or its files
         self._on_chunk = on_chunk
         self._checked = asyncio.Event()  # libtorrent checked the files on disk, or gave up with an error
@@ -179,7 +169,6 @@ class Download:
         self._awaiting_flush: set[int] = set()  # complete files to verify once the disk cache is flushed
         self._verify_lock = asyncio.Lock()
         self._tries: dict[int, int] = {}  # sha256 mismatches per chunk
-        self._peer_bytes: dict[tuple[str, str], tuple[int, int]] = {}
         self._resume: asyncio.Future[bytes | None] | None = None
 
     # -------------------------------------------------------------- views
@@ -206,16 +195,6 @@ class Download:
             progress=float(st.progress),
             hash_failures=self.hash_failures,
         )
-
-    def peer_totals(self) -> dict[str, PeerTotals]:
-        """Bytes exchanged per remote session, summed over connections, as last polled (and now)."""
-        self._poll_peers()
-        sums: dict[str, list[int]] = {}
-        for (fp, _), (down, up) in self._peer_bytes.items():
-            acc = sums.setdefault(fp, [0, 0])
-            acc[0] += down
-            acc[1] += up
-        return {fp: PeerTotals(fp, d, u) for fp, (d, u) in sums.items()}
 
     async def wait_checked(self) -> None:
         await self._checked.wait()
@@ -265,11 +244,10 @@ class Download:
                 log.warning("tracker: %s", alert.message())
 
     def scan(self) -> None:
-        """The periodic poll, once the files are checked: per-peer totals, and complete files whose
-        ``file_completed_alert`` was dropped."""
+        """The periodic poll, once the files are checked: complete files whose ``file_completed_alert`` was
+        dropped."""
         if not self._checked.is_set():
             return
-        self._poll_peers()
         missed = self._complete_files() - self.verified - self._awaiting_flush
         if missed:
             self._verify_after_flush(missed)
@@ -335,7 +313,6 @@ class Download:
             # libtorrent said the file is complete, so its pieces passed SHA-1: either we read before the
             # data reached the disk (flush and read again), or the torrent and the manifest disagree or the
             # disk changed under us (after a few tries, make libtorrent re-check the files)
-            self.verify_failures += 1
             tries = self._tries[index] = self._tries.get(index, 0) + 1
             if tries < 3:
                 self._verify_after_flush({index})
@@ -357,25 +334,9 @@ class Download:
                 )
             )
 
-    def _poll_peers(self) -> None:
-        try:
-            peers = self.handle.get_peer_info()
-        except RuntimeError:
-            return
-        for p in peers:
-            fp = _fingerprint_of(p.pid)
-            key = (fp, f"{p.ip[0]}:{p.ip[1]}")
-            old = self._peer_bytes.get(key, (0, 0))
-            self._peer_bytes[key] = (max(old[0], int(p.total_download)), max(old[1], int(p.total_upload)))
-
     def _complete_files(self) -> set[int]:
         progress = self.handle.file_progress(lt.torrent_handle.piece_granularity)
         return {i for i, c in enumerate(self.manifest.chunks) if i < len(progress) and progress[i] == c.bytes}
-
-
-def _fingerprint_of(pid: object) -> str:
-    raw = bytes(pid.to_bytes()) if hasattr(pid, "to_bytes") else bytes.fromhex(str(pid))
-    return raw[:10].decode("ascii", "replace")
 
 
 class TorrentSession:
@@ -448,11 +409,12 @@ class TorrentSession:
             raise DatasetError(f"The BitTorrent session failed: {self._failure}") from self._failure
 
     def _pump_done(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self._failure = task.exception()
-            log.error("libtorrent alert loop failed", exc_info=self._failure)
+        failure = None if task.cancelled() else task.exception()
+        if failure is not None:
+            self._failure = failure
+            log.error("libtorrent alert loop failed", exc_info=failure)
             for d in self._downloads.values():  # wake waiters so they see the failure
-                d.fail(self._failure)
+                d.fail(failure)
 
     async def close(self) -> None:
         """Save resume data of unfinished downloads, stop the alert loop, shut libtorrent down."""
@@ -486,17 +448,16 @@ class TorrentSession:
         torrent_bytes: bytes,
         *,
         manifest: DatasetManifest | None = None,
-        require_complete: bool = True,
     ) -> Download:
         """Seed the data set in ``data_dir`` (a folder made by ``dataset make`` or fully downloaded).
 
-        libtorrent checks every piece on disk first; with ``require_complete`` a folder that is not whole
-        is refused with a sentence naming how much is missing.
+        libtorrent checks every piece on disk first; a folder that is not whole is refused with a sentence
+        naming how much is missing.
         """
         data_dir = Path(data_dir)
         manifest = manifest or read_manifest(data_dir / "manifest.json")
         dl = await self._add(data_dir, torrent_bytes, manifest, None, priorities=None)
-        if require_complete and not dl.complete:
+        if not dl.complete:
             st = dl.handle.status()
             missing = dl.chunks_total - len(dl.verified)
             raise DatasetError(

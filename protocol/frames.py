@@ -16,8 +16,9 @@ Header (little endian)::
     88     8     XXH3-64 of the body (seed 0)
 
 Every length is checked against :class:`~crowdtrain.protocol.limits.Limits` and against the others before
-anything is allocated; the checksum is verified before decompression. A large tensor travels as several
-frames one after another (a stream of bounded sub-frames), each decodable on its own.
+anything is allocated (:func:`parse_header`); the checksum is verified before decompression (:func:`payload`).
+A large tensor travels as several frames one after another (a stream of bounded sub-frames), each decodable
+on its own: the all-reduce's reader (``volunteer/averaging/wire.py``) is the one decoder of such streams.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import math
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
-from crowdtrain.protocol.codecs import Codec, Compressor, raw_size
+from crowdtrain.protocol.codecs import BytesLike, Codec, Compressor, raw_size
 from crowdtrain.protocol.errors import LimitExceeded, ProtocolError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 
@@ -54,7 +54,7 @@ class FrameHeader:
         return math.prod(self.shape)
 
 
-def parse_header(buf: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> FrameHeader:
+def parse_header(buf: BytesLike, limits: Limits = DEFAULT_LIMITS) -> FrameHeader:
     """Parse and check a frame header; raises :class:`ProtocolError` naming what is wrong."""
     if len(buf) < HEADER_SIZE:
         raise ProtocolError(f"frame header needs {HEADER_SIZE} bytes, got {len(buf)}")
@@ -112,55 +112,20 @@ def pack_header(codec: Codec, shape: tuple[int, ...], raw_length: int, body: byt
     )
 
 
-def encode_frame(x: np.ndarray, codec: Codec, compressor: Compressor) -> bytes:
-    """Encode a float32 array as one frame (header + body)."""
-    shape = tuple(x.shape) or (1,)
-    body = compressor.encode(x, codec)
-    return pack_header(codec, shape, raw_size(codec, math.prod(shape)), body) + body
-
-
-def encode_raw_frame(raw: bytes, codec: Codec, shape: tuple[int, ...], compressor: Compressor) -> bytes:
-    """Frame an already value-transformed payload (used with :class:`~codecs.ErrorFeedback`)."""
-    body = compressor.compress(raw)
-    return pack_header(codec, shape, len(raw), body) + body
-
-
-def decode_body(header: FrameHeader, body: bytes | memoryview, compressor: Compressor) -> np.ndarray:
+def check_body(header: FrameHeader, body: BytesLike) -> None:
+    """Check a frame body against its header (its length, then its checksum); :class:`ProtocolError` if
+    either is wrong. A body read straight into its destination is checked there, before its values count."""
     if len(body) != header.encoded_length:
         raise ProtocolError(
             f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
         )
     if checksum(body) != header.checksum:
         raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
-    values = compressor.decode(bytes(body), header.codec, header.numel)
-    return values.reshape(header.shape)
 
 
-def decode_frame(
-    buf: bytes | memoryview, compressor: Compressor, limits: Limits = DEFAULT_LIMITS
-) -> tuple[np.ndarray, FrameHeader]:
-    """Decode one whole frame; trailing bytes are an error."""
-    header = parse_header(buf, limits)
-    body = memoryview(buf)[HEADER_SIZE:]
-    return decode_body(header, body, compressor), header
-
-
-def iter_frames(
-    buf: bytes | memoryview, compressor: Compressor, limits: Limits = DEFAULT_LIMITS, max_frames: int = 4096
-):
-    """Decode a buffer holding several frames back to back."""
-    view = memoryview(buf)
-    pos = 0
-    count = 0
-    while pos < len(view):
-        count += 1
-        if count > max_frames:
-            raise LimitExceeded(f"buffer holds more than {max_frames} frames")
-        header = parse_header(view[pos:], limits)
-        end = pos + HEADER_SIZE + header.encoded_length
-        if end > len(view):
-            raise ProtocolError(
-                f"frame {count} declares a {header.encoded_length}-byte body but only {len(view) - pos - HEADER_SIZE} remain"
-            )
-        yield decode_body(header, view[pos + HEADER_SIZE : end], compressor), header
-        pos = end
+def payload(header: FrameHeader, body: BytesLike, compressor: Compressor) -> BytesLike:
+    """The codec's payload of a frame (``header.raw_length`` bytes, ``header.numel`` values): the body checked
+    (:func:`check_body`), then decompressed, or taken as it is when it is stored. Never more than the
+    header's raw length is allocated, and that was bounded by :func:`parse_header`."""
+    check_body(header, body)
+    return compressor.decompress(body, header.raw_length)

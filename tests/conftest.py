@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from pathlib import Path
 
 import hypothesis  # noqa: F401 - imported (and assertion-rewritten) at start-up, never late; see below
 import pytest
@@ -13,7 +12,6 @@ import pytest
 # CPython 3.11.7 can leave its AST recursion counter off after a failed AST construction (gh-106905,
 # fixed in 3.11.8); pytest's hypothesis plugin then parses hypothesis at the terminal summary and fails with
 # "AST constructor recursion depth mismatch". Importing hypothesis here keeps every parse at start-up.
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:

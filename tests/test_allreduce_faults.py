@@ -12,18 +12,18 @@ import time
 import aiohttp
 import numpy as np
 import pytest
-from test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
 
 from crowdtrain.protocol import peerauth
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
 from crowdtrain.protocol.errors import AveragingError
-from crowdtrain.protocol.frames import encode_frame
 from crowdtrain.protocol.messages import replace
 from crowdtrain.volunteer.averaging import AveragingConfig, part_bounds
 from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.events import RoundDone, RoundFailed
+from tests.frames import encode_frame
 from tests.harness import until
+from tests.test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
 
 N = 3000
 
@@ -339,7 +339,7 @@ async def test_abandoned_round_answers_waiting_senders_at_once(trio):
     sender = asyncio.create_task(h.averager.allreduce(assignment, vh, 2.0))
     key = f"{assignment.round_id}/grad"
     await until(
-        lambda: key in a.averager._rounds and "h" in a.averager._rounds[key].reducer.contributions,
+        lambda: key in a.averager.owner.rounds and "h" in a.averager.owner.rounds[key].reducer.contributions,
         30,
         "the owner's receipt of h's copy",
         every_s=0.01,

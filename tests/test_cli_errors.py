@@ -3,12 +3,10 @@ traceback, also when the error is raised inside a task group (issue 16)."""
 
 from __future__ import annotations
 
-import re
+import asyncio
 import socket
 import subprocess
 import sys
-
-import pytest
 
 
 def crowdtrain(cli_env, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -30,42 +28,10 @@ def assert_one_sentence(out: subprocess.CompletedProcess, *words: str) -> None:
         assert word in lines[0], (word, lines[0])
 
 
-@pytest.fixture
-def live_tracker(cli_env, tmp_path):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "crowdtrain",
-            "tracker",
-            "serve",
-            "--port",
-            "0",
-            "--db",
-            str(tmp_path / "t.db"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=cli_env,
-    )
-    try:
-        url = None
-        for line in proc.stdout:
-            if m := re.match(r"tracker listening on (\S+)", line):
-                url = m.group(1)
-                break
-        assert url, "the tracker printed no URL"
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        proc.stdout.close()
-
-
-def test_join_of_a_run_the_tracker_does_not_know(cli_env, live_tracker, tmp_path):
-    out = crowdtrain(
-        cli_env, "join", "nosuchrun", "--tracker", live_tracker, "--data-dir", str(tmp_path / "v")
+async def test_join_of_a_run_the_tracker_does_not_know(cli_env, tracker, tmp_path):
+    # the command runs in a thread: this test's event loop serves the tracker meanwhile
+    out = await asyncio.to_thread(
+        crowdtrain, cli_env, "join", "nosuchrun", "--tracker", tracker.url, "--data-dir", str(tmp_path / "v")
     )
     assert_one_sentence(out, "nosuchrun")
 

@@ -17,7 +17,7 @@ import pytest
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
-from crowdtrain.volunteer.trainer import replay_reference
+from tests.oracles import replay_reference
 from tests.test_volunteer_learning import held_out_loss
 
 DEMO_ARGS = {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}  # crowdtrain demo's model

@@ -84,8 +84,10 @@ async def test_announces_beyond_the_per_address_rate_get_a_failure_reason_and_ot
 
 
 @pytest.fixture(scope="module")
-def live_tracker() -> Iterator[tuple[str, int]]:
-    """A real tracker in a thread of its own (hypothesis drives it with blocking HTTP requests)."""
+def threaded_tracker() -> Iterator[tuple[str, int]]:
+    """A real tracker in a thread of its own, for the whole module: hypothesis drives it with blocking HTTP
+    requests from a plain test, which the ``tracker`` fixture (served by the test's own event loop) cannot
+    answer."""
     ready: list = []
     started = threading.Event()
     loop_box: list[asyncio.AbstractEventLoop] = []
@@ -142,8 +144,8 @@ junk = st.text(alphabet="".join(chr(c) for c in range(0x21, 0x7F)), max_size=400
 
 @FUZZ
 @given(query=st.one_of(pairs.map(lambda ps: "&".join(f"{k}={v}" for k, v in ps)), junk))
-def test_live_announce_answers_any_query_with_bencode_never_a_500(live_tracker, query):
-    host, port = live_tracker
+def test_live_announce_answers_any_query_with_bencode_never_a_500(threaded_tracker, query):
+    host, port = threaded_tracker
     for path in ("/announce", "/scrape"):
         status, body = get(host, port, f"{path}?{query}")
         assert status == 200, (path, query, status, body[:200])
@@ -156,8 +158,8 @@ def test_live_announce_answers_any_query_with_bencode_never_a_500(live_tracker, 
             assert b"interval" in reply and b"peers" in reply, reply
 
 
-def test_oversized_announce_line_is_refused_by_http_not_by_a_crash(live_tracker):
-    host, port = live_tracker
+def test_oversized_announce_line_is_refused_by_http_not_by_a_crash(threaded_tracker):
+    host, port = threaded_tracker
     status, _ = get(host, port, "/announce?" + "a" * 20_000)
     assert status in (200, 400, 414, 431)
     assert get(host, port, "/healthz")[0] == 200  # still serving
@@ -321,4 +323,4 @@ async def test_flood_of_bogus_allreduce_posts_is_refused_and_retains_nothing():
     assert peak < 48 << 20, f"peak traced memory during the flood was {peak / 2**20:.1f} MiB"
     assert statuses.get(401, 0) >= 100 and statuses.get(404, 0) >= 100, statuses
     assert set(statuses) <= {401, 404}, statuses
-    assert averager._rounds == {} and len(averager._finished) == 0
+    assert averager.owner.rounds == {} and len(averager.owner.finished) == 0

@@ -39,7 +39,9 @@ from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.snapshot import Snapshot
 from tests.harness import Recorder, published_run, until
+from tests.oracles import mean_loss
 from tests.sim import SimVolunteer
+from tests.test_allreduce import assign, run_round, start_peers, weighted_mean
 
 STEPS = 16
 MODES = ("nan", "scale", "weight", "length", "twice")
@@ -49,22 +51,21 @@ class Hostile(Volunteer):
     """A volunteer that poisons its gradient contributions, one way per step (``MODES`` in turn)."""
 
     def __init__(self, config: VolunteerConfig) -> None:
-        super().__init__(config)
+        super().__init__(config, emit=self._event)
         self.sent: dict[int, str] = {}  # step -> mode used
 
     def mode(self) -> str:
         return MODES[self.step % len(MODES)]
 
-    def emit(self, event: ev.Event) -> None:
-        if isinstance(event, ev.Joined):
+    def _event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.Joined):  # (the joined run's trainer and averager exist from here on)
             self._arm()
-        super().emit(event)
 
     def _arm(self) -> None:
-        trainer, averager = self.trainer, self.averager
-        assert trainer is not None
+        assert self._run is not None
+        trainer, averager = self._run.trainer, self._run.averager
         take_grad, apply, allreduce = trainer.take_grad, trainer.apply, averager.allreduce
-        prepare, exchange = averager._prepare, averager._exchange
+        prepare, exchange = averager._prepare, averager.sender.exchange
         size = {}
 
         def bad_grad(into=None) -> np.ndarray:
@@ -109,7 +110,7 @@ class Hostile(Volunteer):
         trainer.apply = bad_apply
         averager.allreduce = bad_allreduce
         averager._prepare = lenient_prepare
-        averager._exchange = twice
+        averager.sender.exchange = twice
 
 
 @pytest.mark.slow
@@ -200,7 +201,7 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
 
     def loss_at(step: int) -> float:
         v.trainer.set_flat_params(rec.params[step])
-        return float(np.mean([v.trainer.evaluate(b.x, b.y) for b in batches]))
+        return float(np.mean([mean_loss(v.trainer, b.x, b.y) for b in batches]))
 
     first, last = loss_at(1), loss_at(STEPS)
     assert math.isfinite(last) and last < first - 0.1, (first, last)
@@ -210,20 +211,28 @@ class LyingDonor(Volunteer):
     """Trains honestly, but serves state snapshots with one byte flipped in every range, under the true
     manifest and content hash it declares to the tracker."""
 
-    def emit(self, event: ev.Event) -> None:
-        if isinstance(event, ev.Joined):
-            publish = self.state_server.publish
+    def __init__(self, config: VolunteerConfig, emit: ev.Emit = ev.no_emit, record=None) -> None:
+        def event(e: ev.Event) -> None:
+            if isinstance(e, ev.Joined):  # (the joined run's state server exists from here on)
+                self._lie()
+            emit(e)
 
-            def lying_publish(snapshot: Snapshot) -> None:
-                data = bytearray(snapshot.read(0, snapshot.size))
-                snapshot.discard()
-                rb = snapshot.manifest.range_bytes
-                for offset in range(rb // 2, len(data), rb):
-                    data[offset] ^= 0x5A
-                publish(Snapshot.of(snapshot.manifest, data=bytes(data)))
+        super().__init__(config, emit=event, record=record)
 
-            self.state_server.publish = lying_publish
-        super().emit(event)
+    def _lie(self) -> None:
+        assert self._run is not None
+        server = self._run.state_server
+        publish = server.publish
+
+        def lying_publish(snapshot: Snapshot) -> None:
+            data = bytearray(snapshot.read(0, snapshot.size))
+            snapshot.discard()
+            rb = snapshot.manifest.range_bytes
+            for offset in range(rb // 2, len(data), rb):
+                data[offset] ^= 0x5A
+            publish(Snapshot.of(snapshot.manifest, data=bytes(data)))
+
+        server.publish = lying_publish
 
 
 @pytest.mark.slow
@@ -301,8 +310,6 @@ async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(
     and each member keeps its own values for that part (they drift apart).
 
     The hostile owner has weight 0, so it sends no copies and its coder only ever encodes its answers."""
-    from test_allreduce import assign, run_round, start_peers, weighted_mean
-
     peers = await start_peers(3, AveragingConfig(), prefix=f"own-{answer}-")
     try:
         coder = peers[0].averager._coder

@@ -27,7 +27,6 @@ from aiohttp import web
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, request_bytes, sign_assignment
-from crowdtrain.protocol.frames import encode_frame
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
     Credential,
@@ -50,8 +49,9 @@ from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.serve import StateServer
-from crowdtrain.volunteer.state.snapshot import make_snapshot
+from tests.frames import encode_frame
 from tests.sim import make_run_create
+from tests.snapshots import make_snapshot
 
 JOIN_TOKEN = "private-join-token-0123456789"
 N = 1000  # values in the all-reduce vector (one part)

@@ -10,28 +10,29 @@ import pytest
 import torch
 
 from crowdtrain.protocol.credentials import SigningKey, issue_credential
-from crowdtrain.protocol.messages import Donor
+from crowdtrain.protocol.messages import Donor, encode
 from crowdtrain.volunteer.events import Event, StateLoaded, StateSyncProgress
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.fetch import fetch_state
-from crowdtrain.volunteer.state.snapshot import make_snapshot
+from crowdtrain.volunteer.state.snapshot import save_snapshot
 
 KiB = 1 << 10
 RUN = "run-kill"
 
+# A donor serves the snapshot file the way a volunteer does: file-backed, under the manifest its writer made.
 DONOR = """
 import asyncio, json, sys
+from pathlib import Path
 from aiohttp import web
+from crowdtrain.protocol.messages import StateManifest, decode
 from crowdtrain.volunteer.state.config import StateConfig
 from crowdtrain.volunteer.state.serve import StateServer
-from crowdtrain.volunteer.state.snapshot import describe
+from crowdtrain.volunteer.state.snapshot import Snapshot
 
-async def main(path, tracker_key, step):
-    with open(path, "rb") as f:
-        data = f.read()
+async def main(path, tracker_key, manifest):
     config = StateConfig(range_bytes=64 * 1024, upload_rate=512 * 1024)
     server = StateServer(run_id="run-kill", tracker_public_key=tracker_key, config=config)
-    server.publish(describe(data, run_id="run-kill", step=step, range_bytes=64 * 1024))
+    server.publish(Snapshot.of(decode(manifest, StateManifest), path=Path(path)))
     app = web.Application()
     app.add_routes(server.routes())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -41,7 +42,7 @@ async def main(path, tracker_key, step):
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await runner.cleanup()
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))
 """
 
 
@@ -49,7 +50,9 @@ asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
 async def test_donor_sigkilled_mid_transfer_download_completes_from_the_others(tmp_path):
     tracker = SigningKey()
     gen = torch.Generator().manual_seed(3)
-    snap = make_snapshot(
+    path = tmp_path / "state.safetensors"
+    snap = save_snapshot(
+        path,
         run_id=RUN,
         step=10,
         recipe="tiny",
@@ -59,8 +62,6 @@ async def test_donor_sigkilled_mid_transfer_download_completes_from_the_others(t
         scheduler_state=None,
         range_bytes=64 * KiB,
     )
-    path = tmp_path / "state.safetensors"
-    path.write_bytes(snap.data)
     procs = []
     try:
         for _ in range(3):
@@ -70,7 +71,7 @@ async def test_donor_sigkilled_mid_transfer_download_completes_from_the_others(t
                 DONOR,
                 str(path),
                 tracker.public_hex,
-                "10",
+                encode(snap.manifest).decode(),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
@@ -114,7 +115,7 @@ async def test_donor_sigkilled_mid_transfer_download_completes_from_the_others(t
                 emit=emit,
             )
             await killer
-        assert data == snap.data
+        assert data == path.read_bytes()
         assert victim.returncode is not None and victim.returncode < 0  # it really was killed
         loaded = events[-1]
         assert isinstance(loaded, StateLoaded) and len(loaded.donors_used) >= 2

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from crowdtrain.protocol.errors import ProtocolError
-from crowdtrain.volunteer.state.snapshot import describe, load_snapshot, make_snapshot
+from crowdtrain.volunteer.state.snapshot import load_snapshot
+from tests.snapshots import describe, make_snapshot
 
 KiB = 1 << 10
 

@@ -12,7 +12,8 @@ from crowdtrain.protocol.errors import AveragingError, ConfigError, RecipeError,
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.volunteer.models import MLP, TINY_GPT
 from crowdtrain.volunteer.schedule import learning_rate
-from crowdtrain.volunteer.trainer import Trainer, replay_reference, weighted_mean
+from crowdtrain.volunteer.trainer import Trainer
+from tests.oracles import mean_gradient, mean_loss, replay_reference, weighted_mean
 
 GPT_ARGS = {"d_model": 32, "n_layer": 2, "n_head": 4, "seq_len": 16}
 ADAMW = OptimizerSpec(name="adamw", lr=3e-3, weight_decay=0.1, grad_clip=1.0)
@@ -95,7 +96,7 @@ def gpt_trainer(opt: OptimizerSpec = ADAMW, sched: ScheduleSpec = COSINE) -> Tra
     return Trainer(TINY_GPT, TINY_GPT.build(GPT_ARGS), opt, sched)
 
 
-def test_flat_grad_is_the_mean_gradient_over_all_samples():
+def test_the_handed_out_gradient_is_the_mean_over_all_samples():
     batches = token_batches([3, 5, 1, 7])
     trainer = gpt_trainer()
     for x, y in batches:
@@ -109,7 +110,7 @@ def test_flat_grad_is_the_mean_gradient_over_all_samples():
     y = torch.from_numpy(np.concatenate([b[1] for b in batches]))
     TINY_GPT.loss(model, x, y).backward()
     expected = torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy()
-    got = trainer.flat_grad()
+    got = trainer.take_grad()
     assert got.dtype == np.float32
     assert got.shape == (trainer.numel,)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-7)
@@ -135,7 +136,7 @@ def test_unlabelled_samples_are_refused_with_a_sentence():
 
 def test_no_samples_gives_zeros():
     trainer = gpt_trainer()
-    g = trainer.flat_grad()
+    g = trainer.take_grad()
     assert g.dtype == np.float32
     assert not g.any()
     assert trainer.samples == 0
@@ -154,8 +155,9 @@ def test_two_halves_combined_by_weighted_mean_equal_one_trainer_that_saw_everyth
             right.accumulate(x, y)
         # The all-reduce's weighted mean, with a third peer that has no samples (weight 0).
         peers = [left, right, idle]
-        mean = weighted_mean([t.flat_grad() for t in peers], [float(t.samples) for t in peers])
-        everything = whole.flat_grad()
+        weights = [float(t.samples) for t in peers]
+        mean = weighted_mean([mean_gradient(t) for t in peers], weights)
+        everything = whole.take_grad()  # in place: apply steps with the buffer itself, as the engine does
         np.testing.assert_allclose(mean, everything, rtol=1e-5, atol=1e-6 * np.abs(everything).max())
         lrs = {t.apply(mean, step) for t in peers}
         assert lrs == {whole.apply(everything, step)}
@@ -176,17 +178,7 @@ def test_apply_clips_to_the_global_norm():
     g = np.zeros(trainer.numel, dtype=np.float32)
     g[:4] = [3.0, 4.0, 0.0, 0.0]  # norm 5 → scaled by 0.5 / 5
     assert trainer.apply(g, 0) == 1.0
-    assert trainer.last_grad_norm == pytest.approx(5.0)
     np.testing.assert_allclose(before - trainer.flat_params(), g * (0.5 / (5.0 + 1e-6)), atol=1e-7)
-
-
-def test_apply_keeps_the_accumulation_when_asked():
-    trainer = gpt_trainer()
-    trainer.accumulate(*token_batches([3])[0])
-    local = trainer.flat_grad()
-    trainer.apply(np.full(trainer.numel, 1e-3, dtype=np.float32), 0, keep_accumulation=True)
-    assert trainer.samples == 3
-    np.testing.assert_array_equal(trainer.flat_grad(), local)
 
 
 @pytest.mark.parametrize(
@@ -214,20 +206,20 @@ def test_reset_accumulation():
     trainer.accumulate(*token_batches([2])[0])
     trainer.reset_accumulation()
     assert trainer.samples == 0
-    assert not trainer.flat_grad().any()
+    assert not mean_gradient(trainer).any()
     trainer.accumulate(*token_batches([2])[0])
     fresh = gpt_trainer()
     fresh.accumulate(*token_batches([2])[0])
-    np.testing.assert_array_equal(trainer.flat_grad(), fresh.flat_grad())
+    np.testing.assert_array_equal(mean_gradient(trainer), mean_gradient(fresh))
 
 
 def test_evaluate_does_not_touch_the_accumulation():
-    trainer = gpt_trainer()
-    trainer.accumulate(*token_batches([2])[0])
-    g = trainer.flat_grad()
-    trainer.evaluate(*token_batches([4], seed=9)[0])
-    np.testing.assert_array_equal(trainer.flat_grad(), g)
+    trainer, twin = gpt_trainer(), gpt_trainer()
+    for t in (trainer, twin):
+        t.accumulate(*token_batches([2])[0])
+    mean_loss(trainer, *token_batches([4], seed=9)[0])
     assert trainer.samples == 2
+    np.testing.assert_array_equal(mean_gradient(trainer), mean_gradient(twin))
 
 
 # ------------------------------------------------------------------ parameters and state
@@ -263,23 +255,22 @@ def test_loaded_optimizer_state_is_not_shared_with_its_source():
     a = gpt_trainer()
     for step, (x, y) in enumerate(token_batches([3, 3, 3])):
         a.accumulate(x, y)
-        a.apply(a.flat_grad(), step)
-    model_state, optimizer_state = a.state_dicts()
+        a.apply(a.take_grad(), step)
     b = gpt_trainer()
-    b.load_state({k: v.clone() for k, v in model_state.items()}, optimizer_state)
+    # the live optimizer state itself: loading must copy it, or b's steps would move a's moments too
+    b.load_state({k: v.clone() for k, v in a.model.state_dict().items()}, a.optimizer.state_dict())
     np.testing.assert_array_equal(a.flat_params(), b.flat_params())
     for t in (a, b):
         t.accumulate(*token_batches([4], seed=5)[0])
-        t.apply(t.flat_grad(), 3)
+        t.apply(t.take_grad(), 3)
     np.testing.assert_array_equal(a.flat_params(), b.flat_params())
 
 
 def test_state_that_does_not_fit_is_a_state_sync_error():
     trainer = gpt_trainer()
     other = Trainer(TINY_GPT, TINY_GPT.build({**GPT_ARGS, "d_model": 16}), ADAMW, COSINE)
-    model_state, optimizer_state = other.state_dicts()
     with pytest.raises(StateSyncError, match="does not fit"):
-        trainer.load_state(model_state, optimizer_state)
+        trainer.load_state(other.model.state_dict(), other.optimizer.state_dict())
 
 
 def test_cuda_without_a_gpu_is_a_config_error():
@@ -371,7 +362,8 @@ def test_replay_by_volunteer_matches_flat_replay_and_the_trainers():
         for t, batches in zip(peers, volunteers, strict=True):
             for x, y in batches:
                 t.accumulate(x, y)
-        mean = weighted_mean([t.flat_grad() for t in peers], [t.samples for t in peers])
+        weights = [t.samples for t in peers]
+        mean = weighted_mean([mean_gradient(t) for t in peers], weights)
         for t in peers:
             t.apply(mean, step)
         np.testing.assert_array_equal(peers[0].flat_params(), grouped[step])

@@ -14,8 +14,8 @@ import pytest
 
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
-from crowdtrain.volunteer.trainer import replay_reference
 from tests.harness import TINY_GPT, Recorder, published_run, volunteers
+from tests.oracles import replay_reference
 
 STEPS = 20
 

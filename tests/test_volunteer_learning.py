@@ -14,6 +14,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.trainer import Trainer
 from tests.harness import Recorder, published_run, volunteers
+from tests.oracles import mean_loss
 
 ARGS = {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 64}
 STEPS = 40
@@ -34,7 +35,7 @@ def held_out_loss(spec, params: np.ndarray | None) -> float:
     if params is not None:
         trainer.set_flat_params(params)
     x, y = held_out_batch(spec.model.args["seq_len"])
-    return trainer.evaluate(x, y)
+    return mean_loss(trainer, x, y)
 
 
 @pytest.mark.slow

@@ -4,14 +4,14 @@ Accumulation convention (what makes the collaborative step exact)
 -----------------------------------------------------------------
 A recipe's loss is the *mean* over a micro-batch of ``n`` samples. :meth:`Trainer.accumulate` back-propagates
 ``n · loss`` (the *sum* of the per-sample losses), so the gradient buffer holds ``S = Σ_b n_b · g_b`` over the
-micro-batches ``b`` seen since the last step, and ``samples = N = Σ_b n_b``. :meth:`Trainer.flat_grad` returns
-``S / N``, the exact mean gradient over every sample seen. Peers average these with weights ``N_i``:
+micro-batches ``b`` seen since the last step, and ``samples = N = Σ_b n_b``. :meth:`Trainer.take_grad` hands
+out ``S / N``, the exact mean gradient over every sample seen. Peers average these with weights ``N_i``:
 ``Σ_i N_i (S_i / N_i) / Σ_i N_i = Σ_all n_b g_b / Σ_all n_b`` — the mean gradient of one large batch made of
-all the peers' samples, which is what :func:`replay_reference` computes in one process.
+all the peers' samples, which the suite's reference replay (``tests/oracles.py``) computes in one process.
 
 Layout: all trainable parameters, sorted by name (the order the parameter hash is computed in), are
 concatenated into one flat float32 vector. Each parameter's ``.grad`` is a view into one flat buffer, so
-backward accumulates straight into it and :meth:`flat_grad` / :meth:`apply` need no gather or scatter.
+backward accumulates straight into it and :meth:`take_grad` / :meth:`apply` need no gather or scatter.
 
 Every method is synchronous and may take a while; the engine calls them through ``asyncio.to_thread``,
 one at a time. CPU–GPU synchronisation points are marked ``# sync:``.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,6 @@ from crowdtrain.protocol.errors import (
 from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
 from crowdtrain.protocol.runcheck import check_optimizer, check_schedule
 from crowdtrain.volunteer.models.recipe import Recipe
-from crowdtrain.volunteer.models.registry import get_recipe
 from crowdtrain.volunteer.schedule import learning_rate
 
 Batch = tuple[Any, Any]  # (x, y): torch tensors or numpy arrays, first dimension = samples
@@ -142,7 +141,6 @@ class Trainer:
         self._samples = 0
         self._consumed = False  # the buffer holds a mean handed out by take_grad: zero it before adding
         self.optimizer = make_optimizer(self.named, optimizer_spec)
-        self.last_grad_norm = 0.0  # norm of the last applied mean gradient, before clipping
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -209,14 +207,6 @@ class Trainer:
             ) from None
         self._samples += n
         return float(loss.detach()), n  # sync: .item() waits for the GPU to finish this micro-batch
-
-    def flat_grad(self) -> np.ndarray:
-        """The mean gradient over the accumulated samples, float32, flat (zeros when there are none), with
-        the buffers' values after it."""
-        self._bind_grads()
-        mean = self._grad / self._samples if self._samples else torch.zeros_like(self._grad)
-        self._read_buffers(mean)
-        return mean.cpu().numpy()  # sync: device→host copy waits for every queued backward
 
     def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
         """Hand out the mean gradient over the accumulated samples (float32, flat) and start a new
@@ -290,12 +280,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def apply(self, mean_grad: np.ndarray, step: int, *, keep_accumulation: bool = False) -> float:
+    def apply(self, mean_grad: np.ndarray, step: int) -> float:
         """Take the optimizer step of global step ``step`` with the group's mean gradient.
 
         Writes ``mean_grad`` into the parameters' ``.grad``, clips it to the spec's global norm, sets the
-        learning rate of ``step``, steps, and zeroes the accumulation (or, with ``keep_accumulation``, restores
-        the local accumulation that was in progress, for delayed parameter updates). Returns the rate used.
+        learning rate of ``step``, steps, and zeroes the accumulation. Returns the rate used.
         Raises :class:`AveragingError` (and leaves the model untouched) for a wrong length or non-finite values.
         """
         g = np.asarray(mean_grad)
@@ -307,30 +296,23 @@ class Trainer:
             raise AveragingError("The averaged gradient contains NaN or infinite values; not stepping.")
         lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
         self._bind_grads()
-        stash = (self._grad.clone(), self._samples) if keep_accumulation else None
         source = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32))
         if source.data_ptr() != self._grad.data_ptr():  # (a mean handed out by take_grad is in place)
             self._grad.copy_(source)  # host→device copy
         self._write_buffers(self._grad)
         for _, counter in self.counters:
             counter.fill_(step + 1)
-        grad = self._grad[: self.param_numel]
-        norm = torch.linalg.vector_norm(grad)
         clip = self.optimizer_spec.grad_clip
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s arithmetic, on the flat buffer in one kernel.
-            grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+            grad = self._grad[: self.param_numel]
+            grad.mul_(torch.clamp(clip / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        if stash is not None:
-            self._grad.copy_(stash[0])
-            self._samples = stash[1]
-        else:
-            self._grad.zero_()
-            self._samples = 0
+        self._grad.zero_()
+        self._samples = 0
         self._consumed = False
-        self.last_grad_norm = float(norm)  # sync: reads the norm back from the device
         return lr
 
     # ------------------------------------------------------------------ parameters and state
@@ -373,13 +355,6 @@ class Trainer:
             state[name] = b.detach().clone()
         return state
 
-    def state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(model state, optimizer state)`` for a snapshot: copies on the CPU, so they may be serialised
-        while training goes on (the live optimizer tensors change in place at every step)."""
-        model_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        optimizer_state = _copy_tensors(self.optimizer.state_dict())  # sync: device→host copies
-        return model_state, optimizer_state
-
     def load_state(
         self, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any], *, owned: bool = False
     ) -> None:
@@ -398,21 +373,14 @@ class Trainer:
         self._bind_grads()
 
     @torch.no_grad()
-    def evaluate(self, x: Any, y: Any) -> float:
-        """Mean loss on a batch without touching the accumulation (e.g. a held-out batch)."""
-        self.model.eval()
-        with self._autocast():
-            loss = self.recipe.loss(self.model, self._to_device(x), self._to_device(y))
-        return float(loss)  # sync
-
-    @torch.no_grad()
     def evaluate_with_metrics(self, x: Any, y: Any, micro: int) -> tuple[float, dict[str, float]]:
         """Mean loss and the recipe's metrics (its optional ``metrics(model, x, y)``) over a held-out batch,
         ``micro`` samples at a time, each micro-batch weighted by its samples. Metrics a micro-batch does not
         give, or gives as a non-finite number, are left out."""
         self.model.eval()
         metrics_fn = getattr(self.recipe, "metrics", None)
-        total, loss_sum, sums = 0, 0.0, {}
+        total, loss_sum = 0, 0.0
+        sums: dict[str, float] = {}
         try:
             for start in range(0, int(x.shape[0]), micro):
                 xb, yb = self._to_device(x[start : start + micro]), self._to_device(y[start : start + micro])
@@ -445,87 +413,3 @@ def _copy_tensors(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return type(obj)(_copy_tensors(v) for v in obj)
     return obj
-
-
-def weighted_mean(grads: Sequence[np.ndarray], weights: Sequence[float]) -> np.ndarray:
-    """``Σ (w_i / Σ w) · g_i`` in float32, accumulated in the given order (zeros when all weights are 0).
-
-    The same arithmetic as the all-reduce's part reducer (``volunteer/averaging/reducer.py``)."""
-    out = np.zeros_like(np.asarray(grads[0], dtype=np.float32))
-    total = math.fsum(weights)
-    if total <= 0:
-        return out
-    for g, w in zip(grads, weights, strict=True):
-        if w > 0:
-            out += np.float32(w / total) * np.asarray(g, dtype=np.float32)
-    return out
-
-
-def replay_reference(
-    recipe: Recipe | str,
-    args: Mapping[str, Any],
-    optimizer_spec: OptimizerSpec,
-    schedule_spec: ScheduleSpec,
-    steps: Sequence[Sequence[Any]],
-    *,
-    start_step: int = 0,
-    initial_params: np.ndarray | None = None,
-    by_volunteer: bool = False,
-    combine: Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray] = weighted_mean,
-    device: str = "cpu",
-    delay: int = 0,
-) -> list[np.ndarray]:
-    """Single-process reference: the flat parameters after each global step.
-
-    ``steps[i]`` holds the micro-batches ``(x, y)`` that all volunteers used for global step
-    ``start_step + i``; each step is one large batch: ``mean grad = Σ n_b g_b / Σ n_b``, clipped, applied
-    with the learning rate of that global step. With ``by_volunteer=True``, ``steps[i]`` is instead a list
-    of per-volunteer lists of micro-batches, and the step combines each volunteer's own mean gradient with
-    weights = its samples through ``combine(grads, weights)`` (default :func:`weighted_mean`). That is the
-    same value up to rounding; pass the all-reduce's own reduction to reproduce the collaborative step
-    bit for bit. Rounding matters with AdamW, which divides by ``sqrt(v) + eps``: a coordinate whose true
-    gradient is 0 but whose computed one is rounding noise moves by up to ~lr·|noise|/eps per step in an
-    order-dependent direction (why ``tiny-gpt`` has no attention key bias), and coordinates with tiny
-    gradients differ by ~1e-6 between a flat and a per-volunteer replay.
-    A step with no samples applies a zero gradient.
-    The model starts from ``recipe.build(args)`` (or ``initial_params``).
-
-    With ``delay=1`` (delayed parameter updates), step ``k``'s gradients are computed on the parameters
-    after step ``k - 2``'s update: step ``k - 1``'s average is applied only after step ``k``'s gradients
-    are taken. Element ``i`` of the result is still the parameters after step ``i``'s update.
-    """
-    if isinstance(recipe, str):
-        recipe = get_recipe(recipe)
-    trainer = Trainer(recipe, recipe.build(dict(args)), optimizer_spec, schedule_spec, device=device)
-    if initial_params is not None:
-        trainer.set_flat_params(initial_params)
-    out: list[np.ndarray] = []
-    pending: np.ndarray | None = None  # delay 1: the average not applied yet
-    for i, batches in enumerate(steps):
-        if by_volunteer:
-            grads, weights = [], []
-            for volunteer in batches:
-                trainer.reset_accumulation()
-                for x, y in volunteer:
-                    trainer.accumulate(x, y)
-                grads.append(trainer.flat_grad())
-                weights.append(float(trainer.samples))
-            trainer.reset_accumulation()
-            mean = combine(grads, weights) if grads else np.zeros(trainer.numel, dtype=np.float32)
-        else:
-            for x, y in batches:
-                trainer.accumulate(x, y)
-            mean = trainer.flat_grad()
-            trainer.reset_accumulation()
-        if delay:
-            if pending is not None:
-                trainer.apply(pending, start_step + i - 1)
-                out.append(trainer.flat_params())
-            pending = mean
-            continue
-        trainer.apply(mean, start_step + i)
-        out.append(trainer.flat_params())
-    if pending is not None:
-        trainer.apply(pending, start_step + len(steps) - 1)
-        out.append(trainer.flat_params())
-    return out

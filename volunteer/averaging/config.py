@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from crowdtrain.protocol.codecs import Codec, raw_size
 from crowdtrain.protocol.errors import ConfigError
@@ -77,7 +78,7 @@ class AveragingConfig:
     @classmethod
     def from_spec(cls, spec: AveragingSpec, **overrides) -> AveragingConfig:
         """The run spec's averaging settings, with local overrides (timeouts, limits)."""
-        values = {
+        values: dict[str, Any] = {
             "codec": Codec.parse(spec.codec),
             "zstd_level": spec.zstd_level,
             "clip_multiple": spec.clip_multiple,

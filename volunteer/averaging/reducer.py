@@ -174,7 +174,11 @@ class PartReducer:
                     scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
                     clipped.append(c.peer_id)
         total = math.fsum(c.weight for c in weighted)
-        terms = [(c.values, np.float32(c.weight * scales[c.peer_id] / total), c.owned) for c in weighted]
+        terms = [
+            (values, np.float32(c.weight * scales[c.peer_id] / total), c.owned)
+            for c in weighted
+            if (values := c.values) is not None  # (all of them: the type checker cannot know)
+        ]
         return terms, tuple(sorted(clipped)), ""
 
     @staticmethod

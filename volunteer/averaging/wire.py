@@ -15,6 +15,7 @@ part judged dense (:meth:`Coder.stores`) is sent as such stored frames with a kn
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 from collections.abc import Callable
@@ -24,7 +25,14 @@ from aiohttp import StreamReader
 
 from crowdtrain.protocol.codecs import Codec, Compressor, ErrorFeedback, Residual, raw_size, untransform
 from crowdtrain.protocol.errors import ProtocolError
-from crowdtrain.protocol.frames import HEADER_SIZE, FrameHeader, checksum, pack_header, parse_header
+from crowdtrain.protocol.frames import (
+    HEADER_SIZE,
+    FrameHeader,
+    check_body,
+    pack_header,
+    parse_header,
+    payload,
+)
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 
 HEADER_WEIGHT = "X-Crowdtrain-Weight"
@@ -54,7 +62,7 @@ class Coder:
         :func:`stored_frames`) instead of as chunks that aiohttp joins into new bytes."""
         if self.config.codec is not Codec.NONE:
             return False
-        return self._compressor().stores(memoryview(np.ascontiguousarray(values)).cast("B"))
+        return self._compressor().stores(np.ascontiguousarray(values).data.cast("B"))
 
     def encode(
         self, values: np.ndarray, residual: Residual | None = None
@@ -75,17 +83,17 @@ class Coder:
         """
         codec = self.config.codec
         if not codec.lossy:
-            raw = memoryview(np.ascontiguousarray(values)).cast("B")
+            fp32 = np.ascontiguousarray(values).data.cast("B")
             if stored:
-                body: bytes | memoryview = raw.tobytes()
+                body: bytes | memoryview = fp32.tobytes()
             else:  # zstd (or the stored body) reads the float32 memory directly: no intermediate copy
-                body = self._compressor().pack(raw)
-            return pack_header(codec, (values.size,), len(raw), body), body, values
+                body = self._compressor().pack(fp32)
+            return pack_header(codec, (values.size,), len(fp32), body), body, values
         feedback = ErrorFeedback(codec)
         if residual is not None:
             feedback.residual = residual.values()
         raw, sent = feedback.transform(values)
-        if residual is not None:
+        if residual is not None and feedback.residual is not None:  # (transform always leaves one)
             residual.keep(feedback.residual)
         body = self._compressor().pack(raw)
         return pack_header(codec, (values.size,), len(raw), body), body, sent
@@ -99,10 +107,9 @@ class Coder:
         if body is None:
             if header.codec is not Codec.NONE or header.encoded_length != 4 * header.numel:
                 raise ProtocolError("internal: only a stored codec-none body can be read in place")
-            if checksum(memoryview(out).cast("B")) != header.checksum:
-                raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
+            check_body(header, out.data.cast("B"))
         else:
-            raw = self._payload(header, body)
+            raw = payload(header, body, self._compressor())
             if header.codec is Codec.NONE:
                 out[:] = np.frombuffer(raw, dtype=np.float32)
             else:
@@ -112,19 +119,9 @@ class Coder:
     def decode_kept(self, header: FrameHeader, body: bytes | bytearray, kept: KeptPart, start: int) -> float:
         """Keep one frame's payload in ``kept`` at value ``start`` as the codec wrote it; return the squared
         L2 norm of the values it decodes to. Raises on non-finite values."""
-        raw = self._payload(header, body)
+        raw = payload(header, body, self._compressor())
         kept.slot(start, start + header.numel)[:] = np.frombuffer(raw, dtype=np.uint8)
         return _norm2(untransform(raw, header.codec, header.numel))
-
-    def _payload(self, header: FrameHeader, body: bytes | bytearray) -> bytes | memoryview:
-        """A frame body checked and decompressed: the codec's payload of ``header.numel`` values."""
-        if len(body) != header.encoded_length:
-            raise ProtocolError(
-                f"frame body holds {len(body)} bytes but its header declares {header.encoded_length}"
-            )
-        if checksum(body) != header.checksum:
-            raise ProtocolError("frame body fails its XXH3-64 checksum; it was corrupted in transit")
-        return self._compressor().decompress(body, raw_size(header.codec, header.numel))
 
 
 def _norm2(values: np.ndarray) -> float:
@@ -178,7 +175,7 @@ class KeptPart:
 
     def values(self, a: int, b: int) -> np.ndarray:
         """Values ``[a, b)`` (one frame) decoded, as a new float32 array."""
-        return untransform(memoryview(self.slot(a, b)), self.codec, b - a)
+        return untransform(self.slot(a, b).data, self.codec, b - a)
 
 
 class NonFinite(ProtocolError):
@@ -227,6 +224,49 @@ class _Reader:
         return not await self._fill()
 
 
+def _checked_subframe(header: FrameHeader, coder: Coder, got: int, elements: int) -> int:
+    """The sub-frame's value count, once its codec, shape and body length fit the round and the part."""
+    config = coder.config
+    if header.codec is not config.codec:
+        raise ProtocolError(f"frame uses codec {header.codec.label} but this round uses {config.codec.label}")
+    n = header.numel
+    if len(header.shape) != 1 or n < 1 or n > config.subframe_elements:
+        raise ProtocolError(
+            f"sub-frame has shape {list(header.shape)}; expected one dimension of 1 to "
+            f"{config.subframe_elements} values"
+        )
+    if got + n > elements:
+        raise ProtocolError(
+            f"sub-frames carry more than the {elements} values this part holds; check the part bounds"
+        )
+    if header.encoded_length > config.max_body_bytes(n):
+        raise ProtocolError(
+            f"sub-frame body declares {header.encoded_length} bytes, more than {n} values can need"
+        )
+    return n
+
+
+async def _read_body(
+    reader: _Reader,
+    coder: Coder,
+    header: FrameHeader,
+    into: Callable[[int, int], np.ndarray] | KeptPart,
+    got: int,
+    n: int,
+) -> Callable[[], float]:
+    """Read a sub-frame's body; returns its decoding (for a worker thread)."""
+    if isinstance(into, KeptPart):
+        into.slot(got, got + n)  # a frame out of place is refused before its body is read
+        body = await reader.readexactly(header.encoded_length)
+        return functools.partial(coder.decode_kept, header, body, into, got)
+    out = into(got, got + n)
+    if header.codec is Codec.NONE and header.encoded_length == 4 * n:  # stored fp32: in place
+        await reader.readinto(out.view(np.uint8))
+        return functools.partial(coder.decode_into, header, None, out)
+    body = await reader.readexactly(header.encoded_length)
+    return functools.partial(coder.decode_into, header, body, out)
+
+
 async def read_part(
     stream: StreamReader,
     coder: Coder,
@@ -240,7 +280,6 @@ async def read_part(
     right after the last frame. The caller bounds the whole read with a timeout. A stored codec-none body
     is read straight into the destination (its checksum is checked right after, before the values count).
     """
-    config = coder.config
     reader = _Reader(stream)
     got = 0
     nbytes = 0
@@ -248,42 +287,13 @@ async def read_part(
     pending: asyncio.Future[float] | None = None  # the previous sub-frame, decoding while this one arrives
     try:
         while got < elements:
-            header = parse_header(await reader.readexactly(HEADER_SIZE), config.limits)
-            if header.codec is not config.codec:
-                raise ProtocolError(
-                    f"frame uses codec {header.codec.label} but this round uses {config.codec.label}"
-                )
-            n = header.numel
-            if len(header.shape) != 1 or n < 1 or n > config.subframe_elements:
-                raise ProtocolError(
-                    f"sub-frame has shape {list(header.shape)}; expected one dimension of 1 to "
-                    f"{config.subframe_elements} values"
-                )
-            if got + n > elements:
-                raise ProtocolError(
-                    f"sub-frames carry more than the {elements} values this part holds; check the part bounds"
-                )
-            if header.encoded_length > config.max_body_bytes(n):
-                raise ProtocolError(
-                    f"sub-frame body declares {header.encoded_length} bytes, more than {n} values can need"
-                )
-            body: bytearray | None
-            if isinstance(into, KeptPart):
-                into.slot(got, got + n)  # a frame out of place is refused before its body is read
-                body = await reader.readexactly(header.encoded_length)
-                decode, dest = coder.decode_kept, (into, got)
-            else:
-                out = into(got, got + n)
-                if header.codec is Codec.NONE and header.encoded_length == 4 * n:  # stored fp32: in place
-                    body = None
-                    await reader.readinto(out.view(np.uint8))
-                else:
-                    body = await reader.readexactly(header.encoded_length)
-                decode, dest = coder.decode_into, (out,)
+            header = parse_header(await reader.readexactly(HEADER_SIZE), coder.config.limits)
+            n = _checked_subframe(header, coder, got, elements)
+            decode = await _read_body(reader, coder, header, into, got, n)
             nbytes += HEADER_SIZE + header.encoded_length
             if pending is not None:
                 norm2 += await pending
-            pending = asyncio.ensure_future(asyncio.to_thread(decode, header, body, *dest))
+            pending = asyncio.ensure_future(asyncio.to_thread(decode))
             got += n
         if pending is not None:
             norm2 += await pending
@@ -310,7 +320,7 @@ def stored_length(elements: int, step: int) -> int:
 def stored_frame(values: np.ndarray) -> tuple[bytes, memoryview]:
     """A stored codec-none frame of ``values`` as (header, body), the body a view of their memory: nothing
     is copied, so ``values`` must not change until the frame is sent."""
-    body = memoryview(np.ascontiguousarray(values)).cast("B")
+    body = np.ascontiguousarray(values).data.cast("B")
     return pack_header(Codec.NONE, (values.size,), body.nbytes, body), body
 
 

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import aiohttp
 import zstandard
@@ -298,7 +298,9 @@ class _Fetcher:
         )
         if self.into is not None:
             return self.into
-        return await asyncio.to_thread(b"".join, job.parts)  # every part is set: remaining == 0
+        return await asyncio.to_thread(
+            b"".join, cast(list[bytes], job.parts)
+        )  # every part is set: remaining == 0
 
     async def _gather(self, job: _Job, whole: hashlib._Hash, sink: BinaryIO | None) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -324,9 +326,12 @@ class _Fetcher:
         hashed = 0
         count = len(job.parts)
         while hashed < count:
-            ready = []
-            while hashed + len(ready) < count and job.parts[hashed + len(ready)] is not None:
-                ready.append(job.parts[hashed + len(ready)])
+            ready: list[bytes] = []
+            while hashed + len(ready) < count:
+                part = job.parts[hashed + len(ready)]
+                if part is None:
+                    break
+                ready.append(part)
             if ready:
 
                 def take(ready: list[bytes] = ready) -> None:

@@ -136,17 +136,9 @@ class StateServer:
         self._served.clear()
 
     @property
-    def newest(self) -> Snapshot | None:
-        return next(reversed(self._served.values())).snapshot if self._served else None
-
-    @property
     def versions(self) -> list[StateVersion]:
         """The versions served, newest first (as declared to the tracker)."""
         return [served.snapshot.version for served in reversed(self._served.values())][:MAX_DECLARED_STATES]
-
-    @property
-    def active_uploads(self) -> int:
-        return self._uploads
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -235,6 +227,7 @@ class StateServer:
         response = web.StreamResponse(status=206 if span is not None else 200, headers=headers)
         response.content_length = len(frame) if frame is not None else end - start
         piece = _PACED_PIECE if self._pacer.rate is not None else _WRITE_PIECE
+        chunk: bytes | memoryview
         try:
             await response.prepare(request)
             for offset in range(0, response.content_length, piece):

@@ -13,7 +13,7 @@ lists) and of each fixed-size range, so a newcomer checks every range as it arri
 
 :func:`write_snapshot` streams the tensors (live ones, on any device) into a file a piece at a time while
 hashing, so a snapshot never costs a second copy of the state in memory; :func:`save_snapshot` gives a
-file-backed :class:`Snapshot`, :func:`make_snapshot` an in-memory one. :func:`load_snapshot` reads a file
+file-backed :class:`Snapshot`. :func:`load_snapshot` reads a file (or a fetched state's bytes)
 tensor by tensor. All are CPU-heavy (copying, hashing): call them with ``await asyncio.to_thread(...)``.
 Pass tensors that nothing mutates meanwhile (the engine writes between two optimizer steps). Nothing here
 uses pickle.
@@ -22,12 +22,11 @@ uses pickle.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -121,23 +120,6 @@ def _check_range_bytes(range_bytes: int) -> None:
         raise ValueError(f"range_bytes is {range_bytes}; it must be between 64 KiB and 64 MiB")
 
 
-def describe(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB) -> Snapshot:
-    """Hash ``data`` (the whole and each range) into a :class:`Snapshot`. CPU-heavy: use a thread."""
-    _check_range_bytes(range_bytes)
-    hasher = _RangeHasher(range_bytes)
-    hasher.update(memoryview(data))
-    content_hash, ranges = hasher.finish()
-    manifest = StateManifest(
-        run_id=run_id,
-        step=step,
-        content_hash=content_hash,
-        total_bytes=len(data),
-        range_bytes=range_bytes,
-        range_sha256=ranges,
-    )
-    return Snapshot.of(manifest, data=data)
-
-
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return list(obj)
@@ -224,6 +206,54 @@ class _RangeHasher:
 _WRITE_BYTES = 16 * MiB  # a tensor is copied to the host and written in pieces of at most this size
 
 
+def _optimizer_tensors(
+    model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Scalar]]]:
+    """The tensors to store by name (the model's, the optimizer's per-parameter ones) and the optimizer's
+    per-parameter scalars (kept in the header)."""
+    named: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model_state.items()}
+    scalars: dict[str, dict[str, Scalar]] = {}
+    for index, per_param in optimizer_state.get("state", {}).items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                named[f"{OPTIM_PREFIX}{int(index)}.{key}"] = value
+            elif value is None or isinstance(value, int | float | bool | str):
+                scalars.setdefault(str(int(index)), {})[key] = value
+            else:
+                raise TypeError(
+                    f"optimizer state {index}.{key} is a {type(value).__name__}; expected a tensor"
+                )
+    return named, scalars
+
+
+def _safetensors_header(meta: str, stored: list[tuple[str, torch.Tensor]]) -> bytes:
+    """The safetensors header: each stored tensor's dtype, shape and offsets, and our metadata."""
+    header: dict[str, Any] = {"__metadata__": {META_KEY: meta}}
+    offset = 0
+    for name, t in stored:
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    return encoded + b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
+
+
+def _write_tensor(t: torch.Tensor, put: Callable[[memoryview], None]) -> None:
+    """A tensor's bytes, copied to the host and handed to ``put`` a piece of at most _WRITE_BYTES at a time."""
+    flat = t.reshape(-1)
+    step_elems = max(1, _WRITE_BYTES // t.element_size())
+    for start in range(0, flat.numel(), step_elems):
+        piece = flat[start : start + step_elems]
+        if piece.device.type != "cpu":
+            piece = piece.to("cpu")  # sync: one piece at a time, device→host
+        piece = piece.contiguous()
+        put(piece.view(torch.uint8).numpy().data)
+
+
 def write_snapshot(
     out: BinaryIO,
     *,
@@ -244,18 +274,7 @@ def write_snapshot(
     writes between two optimizer steps. CPU-heavy and blocking: run it in a thread.
     """
     _check_range_bytes(range_bytes)
-    named: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model_state.items()}
-    scalars: dict[str, dict[str, Scalar]] = {}
-    for index, per_param in optimizer_state.get("state", {}).items():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                named[f"{OPTIM_PREFIX}{int(index)}.{key}"] = value
-            elif value is None or isinstance(value, int | float | bool | str):
-                scalars.setdefault(str(int(index)), {})[key] = value
-            else:
-                raise TypeError(
-                    f"optimizer state {index}.{key} is a {type(value).__name__}; expected a tensor"
-                )
+    named, scalars = _optimizer_tensors(model_state, optimizer_state)
     stored, aliases = _plan(named)
     header_values = {
         "format": FORMAT,
@@ -269,35 +288,17 @@ def write_snapshot(
         "aliases": aliases,
     }
     meta = json.dumps(header_values, default=_json_default, sort_keys=True, allow_nan=False)
-    header: dict[str, Any] = {"__metadata__": {META_KEY: meta}}
-    offset = 0
-    for name, t in stored:
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes
     hasher = _RangeHasher(range_bytes)
 
     def put(data: memoryview) -> None:
         hasher.update(data)
         out.write(data)
 
+    encoded = _safetensors_header(meta, stored)
     put(memoryview(len(encoded).to_bytes(8, "little")))
     put(memoryview(encoded))
     for _, t in stored:
-        flat = t.reshape(-1)
-        step_elems = max(1, _WRITE_BYTES // t.element_size())
-        for start in range(0, flat.numel(), step_elems):
-            piece = flat[start : start + step_elems]
-            if piece.device.type != "cpu":
-                piece = piece.to("cpu")  # sync: one piece at a time, device→host
-            piece = piece.contiguous()
-            put(memoryview(piece.view(torch.uint8).numpy()))
+        _write_tensor(t, put)
     content_hash, ranges = hasher.finish()
     return StateManifest(
         run_id=run_id,
@@ -307,13 +308,6 @@ def write_snapshot(
         range_bytes=range_bytes,
         range_sha256=ranges,
     )
-
-
-def make_snapshot(**fields: Any) -> Snapshot:
-    """:func:`write_snapshot` into memory: a :class:`Snapshot` holding its bytes (small states, tests)."""
-    buffer = io.BytesIO()
-    manifest = write_snapshot(buffer, **fields)
-    return Snapshot.of(manifest, data=buffer.getvalue())
 
 
 def save_snapshot(path: Path, **fields: Any) -> Snapshot:
@@ -406,7 +400,7 @@ def _read_table(
     expected = 0
     for name, entry in sorted(table.items(), key=lambda kv: _offsets(kv[0], kv[1])[0]):
         begin, end = _offsets(name, entry)
-        dtype = _TORCH_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        dtype = _TORCH_DTYPES.get(str(entry.get("dtype"))) if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if (
             dtype is None
@@ -450,7 +444,7 @@ def load_snapshot(source: bytes | Path, *, into: Mapping[str, torch.Tensor] | No
             t = live.get(name)
             if t is None:
                 t = torch.empty(shape, dtype=dtype)
-            view = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+            view = t.view(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
             f.seek(offset)
             if f.readinto(view) != len(view):
                 raise ProtocolError(f"state snapshot ends inside tensor {name!r}")

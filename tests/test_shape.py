@@ -1,0 +1,186 @@
+"""The house's shape, measured (issue 26): rooms small enough that each holds one job you can name.
+
+In ``volunteer/`` and ``tracker/`` no class holds more than 25 attributes or spans more than 400 lines; nowhere
+in the product is a function longer than 60 lines; ``volunteer/engine.py`` (the wiring and the training loop)
+fits in 450 lines. A class's attributes are its declared fields (dataclass and Struct annotations,
+``__slots__``) and every ``self.NAME`` its methods assign. A span runs from the ``def`` or ``class`` line to
+the last line, decorators left out. Each failure names every offender as ``file:line`` with its size.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("protocol", "datasets", "tracker", "volunteer", "crowdtrain")
+ROOMS = ("volunteer", "tracker")  # where the class limits hold
+MAX_ATTRIBUTES = 25
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 60
+ENGINE = "volunteer/engine.py"
+MAX_ENGINE_LINES = 450
+
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@dataclass(frozen=True, slots=True)
+class Offender:
+    where: str  # file:line
+    name: str
+    size: int
+
+
+def parsed(folders: tuple[str, ...]) -> list[tuple[str, ast.Module]]:
+    """Every module under ``folders`` as (path from the repository root, tree)."""
+    paths = sorted(
+        p for folder in folders for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts
+    )
+    assert paths, f"no Python files under {folders} in {ROOT}"
+    return [(p.relative_to(ROOT).as_posix(), ast.parse(p.read_text(encoding="utf-8"), str(p))) for p in paths]
+
+
+def span(node: ast.stmt) -> int:
+    """Lines from the ``def``/``class`` line (decorators are above it) to the last line."""
+    assert node.end_lineno is not None
+    return node.end_lineno - node.lineno + 1
+
+
+def _is_classvar(annotation: ast.expr) -> bool:
+    target = annotation.value if isinstance(annotation, ast.Subscript) else annotation
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return name == "ClassVar" or (
+        isinstance(annotation, ast.Constant) and "ClassVar" in str(annotation.value)
+    )
+
+
+def _stored(target: ast.expr, owner: str) -> set[str]:
+    """Names of ``owner.NAME`` stored by an assignment target (through tuple, list and starred unpacking)."""
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == owner:
+        return {target.attr}
+    if isinstance(target, ast.Tuple | ast.List):
+        return {name for element in target.elts for name in _stored(element, owner)}
+    if isinstance(target, ast.Starred):
+        return _stored(target.value, owner)
+    return set()
+
+
+def _self_name(method: Function) -> str | None:
+    """The name a method calls its instance (``self``); None for static and class methods."""
+    decorators = {d.id for d in method.decorator_list if isinstance(d, ast.Name)}
+    args = method.args.posonlyargs + method.args.args
+    return None if decorators & {"staticmethod", "classmethod"} or not args else args[0].arg
+
+
+def attributes(cls: ast.ClassDef) -> set[str]:
+    """The class's declared fields and the instance attributes its methods (and closures in them) assign."""
+    names: set[str] = set()
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            if not _is_classvar(stmt.annotation):
+                names.add(stmt.target.id)
+        elif isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in stmt.targets
+        ):
+            names |= {
+                c.value
+                for c in ast.walk(stmt.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+        elif isinstance(stmt, Function) and (owner := _self_name(stmt)) is not None:
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+                    targets = [node.target]
+                else:
+                    continue
+                names |= {name for target in targets for name in _stored(target, owner)}
+    return names
+
+
+def classes(folders: tuple[str, ...]) -> list[tuple[str, ast.ClassDef]]:
+    return [
+        (f"{path}:{node.lineno}", node)
+        for path, tree in parsed(folders)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    ]
+
+
+def refuse(offenders: list[Offender], what: str, limit: int, unit: str) -> None:
+    """Fail naming every offender, largest first, when there is one."""
+    if offenders:
+        ordered = sorted(offenders, key=lambda o: (-o.size, o.where))
+        pytest.fail(
+            f"{what} more than {limit} {unit} ({len(ordered)}):\n"
+            + "\n".join(f"  {o.where} {o.name}: {o.size} {unit}" for o in ordered),
+            pytrace=False,
+        )
+
+
+def test_the_measures_count_fields_closures_and_unpacking_and_leave_decorators_out():
+    tree = ast.parse(
+        "@dataclass\n"
+        "class Fields:\n"
+        "    a: int\n"
+        "    b: ClassVar[int] = 0\n"
+        "    __slots__ = ('c',)\n"
+        "    def __init__(self, other):\n"
+        "        self.d, (self.e, *self.f) = 1, (2, 3)\n"
+        "        self.g: int = 0\n"
+        "        self.d += 1\n"
+        "        other.h = 1\n"
+        "        def later():\n"
+        "            self.i = 2\n"
+        "    @staticmethod\n"
+        "    def make(x):\n"
+        "        x.j = 1\n"
+    )
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
+    assert attributes(cls) == {"a", "c", "d", "e", "f", "g", "i"}
+    assert span(cls) == 14  # from `class`, not from `@dataclass`
+    make = cls.body[-1]
+    assert isinstance(make, ast.FunctionDef) and span(make) == 2
+
+
+def test_no_class_in_volunteer_or_tracker_holds_more_than_25_attributes():
+    offenders = [
+        Offender(where, node.name, len(attributes(node)))
+        for where, node in classes(ROOMS)
+        if len(attributes(node)) > MAX_ATTRIBUTES
+    ]
+    refuse(offenders, "These classes in volunteer/ and tracker/ hold", MAX_ATTRIBUTES, "attributes")
+
+
+def test_no_class_in_volunteer_or_tracker_spans_more_than_400_lines():
+    offenders = [
+        Offender(where, node.name, span(node))
+        for where, node in classes(ROOMS)
+        if span(node) > MAX_CLASS_LINES
+    ]
+    refuse(offenders, "These classes in volunteer/ and tracker/ span", MAX_CLASS_LINES, "lines")
+
+
+def test_no_function_in_the_product_is_longer_than_60_lines():
+    offenders = [
+        Offender(f"{path}:{node.lineno}", node.name, span(node))
+        for path, tree in parsed(PRODUCT)
+        for node in ast.walk(tree)
+        if isinstance(node, Function) and span(node) > MAX_FUNCTION_LINES
+    ]
+    refuse(offenders, "These functions in the product span", MAX_FUNCTION_LINES, "lines")
+
+
+def test_the_engine_holds_the_wiring_and_the_loop_in_450_lines():
+    lines = len((ROOT / ENGINE).read_text(encoding="utf-8").splitlines())
+    if lines > MAX_ENGINE_LINES:
+        pytest.fail(
+            f"{ENGINE}:1 is {lines} lines, more than {MAX_ENGINE_LINES}: it keeps the wiring and the training "
+            "loop; move any other job into a module of its own.",
+            pytrace=False,
+        )

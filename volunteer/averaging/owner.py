@@ -1,0 +1,384 @@
+"""The part owner's side of a round: receive the members' copies of my part, reduce it, answer them all.
+
+The owner's route takes each member's ``POST`` of its copy: it authenticates the request before saying
+anything about the round, checks the sender against the round's signed group, reads the copy whole (bounded,
+sub-frame by sub-frame, its norm computed as it arrives) into a buffer kept from earlier rounds, and waits.
+The part closes when every member's copy is in or refused, or at the deadline; it is then reduced and encoded
+slice by slice in a thread, and every waiting request streams each answer sub-frame as soon as it is ready.
+A copy that fails a check is refused with a 4xx sentence (the table in
+:mod:`~crowdtrain.volunteer.averaging.allreduce`) and listed as rejected.
+
+The owner also keeps the rounds this peer takes part in, so that a request that beats this peer's own
+``allreduce()`` call waits a bounded time for its round, and one that comes after it learns it is too late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from crowdtrain.protocol import peerauth
+from crowdtrain.protocol.aio import wait_at_most
+from crowdtrain.protocol.codecs import Residual
+from crowdtrain.protocol.errors import AuthError, LimitExceeded, ProtocolError
+from crowdtrain.protocol.messages import Credential, GroupMember
+from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.reducer import Contribution, PartReducer, Term
+from crowdtrain.volunteer.averaging.round import NAME, Round
+from crowdtrain.volunteer.averaging.wire import (
+    HEADER_ELEMENTS,
+    HEADER_WEIGHT,
+    PURPOSE,
+    Coder,
+    KeptPart,
+    NonFinite,
+    read_part,
+    stored_length,
+    subframe_bounds,
+)
+
+log = logging.getLogger(__name__)
+
+ROUTE = "/v1/allreduce/{round_id}/{tag}/{part}"
+
+
+class _Refused(Exception):
+    """A copy this owner will not take: answered with ``status`` and the sentence ``text``."""
+
+    def __init__(self, status: int, text: str) -> None:
+        self.status = status
+        self.text = text
+        super().__init__(text)
+
+
+class Owner:
+    """The rounds this peer takes part in, and the route that receives, reduces and answers its part of each.
+
+    It keeps, per tag, the error-feedback residual of the answers it encodes with a lossy codec (over the
+    part it owns, with its bounds: a part that moves starts afresh), and the buffers that received the
+    copies of its part in earlier rounds, reused next round: a fresh one costs page faults and zeroing (~15 %
+    of a round's CPU for 10M values in a group of 4). A buffer serves any part as long or shorter, so a group
+    that grows (shorter parts) allocates nothing.
+    """
+
+    def __init__(
+        self, *, run_id: str, tracker_public_key: str, peer_id: str, config: AveragingConfig, coder: Coder
+    ) -> None:
+        self.run_id = run_id
+        self.tracker_public_key = tracker_public_key
+        self.peer_id = peer_id
+        self.config = config
+        self._coder = coder
+        self.rounds: dict[str, Round] = {}
+        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._registered: asyncio.Condition | None = None
+        self._down_residuals: dict[str, tuple[tuple[int, int], Residual]] = {}
+        self._spare: list[np.ndarray] = []
+
+    # ------------------------------------------------------------------ the rounds
+
+    def known(self, key: str) -> bool:
+        """This peer runs or already ran round ``key``."""
+        return key in self.rounds or key in self.finished
+
+    async def open(self, rnd: Round) -> None:
+        """Take requests for ``rnd`` from now on, waking those that arrived before it."""
+        self.rounds[rnd.key] = rnd
+        if self._registered is None:
+            self._registered = asyncio.Condition()
+        async with self._registered:
+            self._registered.notify_all()
+
+    def retire(self, rnd: Round) -> None:
+        """End ``rnd``: senders still waiting are answered now (streaming ones stop waiting), later ones are
+        told it is over for as long as ``remember_rounds`` rounds are remembered."""
+        if rnd.reducer is not None:
+            rnd.reducer.abandon(f"round {rnd.key} was abandoned")
+        del self.rounds[rnd.key]
+        self.finished[rnd.key] = None
+        while len(self.finished) > self.config.remember_rounds:
+            self.finished.popitem(last=False)
+
+    def prepare(self, rnd: Round, vector: np.ndarray, weight: float) -> None:
+        """Set up my part of ``rnd``: its residual, its reducer, and my own copy already in it."""
+        start, stop = rnd.bounds[rnd.my_part]
+        if self.config.codec.lossy:
+            down = self._down_residuals.get(rnd.tag)
+            if down is None or down[0] != (start, stop):
+                self._down_residuals[rnd.tag] = ((start, stop), Residual.zeros(stop - start))
+        if stop == start:  # an empty part needs no owner
+            return
+        rnd.reducer = PartReducer(
+            rnd.my_part, stop - start, tuple(rnd.members), self.config.clip_multiple, done=asyncio.Event()
+        )
+        own = vector[start:stop]
+        # the mean of dense copies is dense: judge the answer by my own copy, before anything is reduced
+        rnd.answer_stored = self._coder.stores(own)
+        rnd.reducer.begin(self.peer_id)
+        rnd.reducer.accept(
+            Contribution(self.peer_id, 1.0 if rnd.uniform else float(weight), own, float(np.linalg.norm(own)))
+        )
+
+    async def _find_round(self, key: str) -> Round | None:
+        """The round ``key``; a request that beat our own allreduce() call waits a bounded time for it."""
+        if self._registered is None:
+            self._registered = asyncio.Condition()
+        try:
+            async with asyncio.timeout(self.config.assignment_wait_s), self._registered:
+                await self._registered.wait_for(lambda: self.known(key))
+        except TimeoutError:
+            return None
+        return self.rounds.get(key)
+
+    # ------------------------------------------------------------------ my part
+
+    async def close_part(self, rnd: Round) -> None:
+        """Close my part when every member settled or at the deadline, then reduce and encode it slice by
+        slice; each sub-frame of the answer is published as soon as it is ready, and the senders' handlers
+        stream it while the next slice is reduced."""
+        red = rnd.reducer
+        assert red is not None
+        await wait_at_most(red.settled, rnd.deadline - time.time())
+        t = time.perf_counter()
+        start, stop = rnd.bounds[rnd.my_part]
+        assert rnd.output is not None
+        out = rnd.output[start:stop]
+        terms = red.close(out)
+        try:
+            for a, b in subframe_bounds(0, stop - start, self.config.subframe_elements) if terms else ():
+                red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
+        finally:
+            red.finish(reduce_s=time.perf_counter() - t)
+
+    def _reduce_encode(
+        self, rnd: Round, terms: list[Term], out: np.ndarray, a: int, b: int
+    ) -> tuple[bytes, bytes | memoryview]:
+        """Reduce values ``[a, b)`` of my part into ``out`` and encode them as one frame (call in a thread).
+
+        With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
+        and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
+        """
+        if rnd.in_place:  # my own copy is a term, read until the slice is reduced
+            reduced = np.empty(b - a, dtype=np.float32)
+            PartReducer.reduce_slice(terms, a, b, reduced)
+            out[a:b] = reduced
+        else:
+            PartReducer.reduce_slice(terms, a, b, out[a:b])
+        kept = self._down_residuals.get(rnd.tag)
+        res = kept[1][a:b] if kept is not None and kept[0] == rnd.bounds[rnd.my_part] else None
+        header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
+        if self.config.codec.lossy:
+            out[a:b] = sent
+        return header, body
+
+    async def own_part(self, rnd: Round, output: np.ndarray, failed: dict[int, str]) -> None:
+        """Wait for my part's outcome: my own values stay when it failed; the answers are counted as sent."""
+        red = rnd.reducer
+        assert red is not None
+        await red.done.wait()
+        assert red.outcome is not None
+        start, stop = rnd.bounds[rnd.my_part]
+        if red.outcome.values is None:
+            failed[rnd.my_part] = red.outcome.reason
+            output[start:stop] = red.contributions[self.peer_id].values  # my own values
+            return
+        await red.complete.wait()
+        answered = len(red.outcome.accepted) - 1  # every accepted sender but me gets the frames
+        rnd.stats.bytes_sent += answered * sum(len(h) + len(b) for h, b in red.outcome.frames)
+        rnd.stats.raw_bytes += answered * 4 * (stop - start)
+
+    def _take_buffer(self, nbytes: int) -> np.ndarray:
+        """A byte buffer of ``nbytes``: the shortest spare that holds them, or a new one."""
+        fitting = [i for i, b in enumerate(self._spare) if b.size >= nbytes > 0]
+        if fitting:
+            best = min(fitting, key=lambda i: self._spare[i].size)
+            return self._spare.pop(best)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give_back(self, red: PartReducer) -> None:
+        """Keep the buffers of the copies read completely for the next round (a buffer a request may still
+        be writing into is never kept: only accepted copies, whose reads are over, come back). The largest
+        are kept, as many as this round's other members: a group that shrank (longer parts) leaves its
+        shorter buffers to be freed rather than held beside the new ones."""
+        self._spare.extend(c.storage for c in red.contributions.values() if c.storage is not None)
+        self._spare.sort(key=lambda b: b.size, reverse=True)
+        del self._spare[max(0, len(red.members) - 1) :]
+
+    # ------------------------------------------------------------------ the route
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._receive(request)
+        except _Refused as r:
+            return web.json_response({"error": r.text}, status=r.status)
+
+    async def _receive(self, request: web.Request) -> web.StreamResponse:
+        key, part, cred, declared, elements = self._parse(request)
+        if key in self.finished:
+            raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+        rnd = await self._find_round(key)
+        if rnd is None:
+            if key in self.finished:
+                raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+            raise _Refused(404, f"this peer has no assignment for round {key}; is the round id right?")
+        member = rnd.members.get(cred.peer_id)
+        if member is None or member.public_key != cred.public_key:
+            raise _Refused(403, f"peer {cred.peer_id} is not a member of round {key}")
+        red = rnd.reducer
+        if red is None or part != rnd.my_part:
+            raise _Refused(404, f"this peer owns part {rnd.my_part} of round {key}, not part {part}")
+        await self._collect(request, rnd, red, member, declared, elements)
+        return await self._answer(request, rnd, red)
+
+    def _parse(self, request: web.Request) -> tuple[str, int, Credential, float, int]:
+        """The request's round key, part, sender, declared weight and length, the sender authenticated
+        first: strangers learn nothing about the round."""
+        info = request.match_info
+        round_id, tag, part_s = info["round_id"], info["tag"], info["part"]
+        if not NAME.match(round_id) or not NAME.match(tag) or not part_s.isdigit() or len(part_s) > 6:
+            raise _Refused(400, "the path must be /v1/allreduce/<round id>/<tag>/<part number>")
+        key, part = f"{round_id}/{tag}", int(part_s)
+        weight_s = request.headers.get(HEADER_WEIGHT, "")[:64]
+        elements_s = request.headers.get(HEADER_ELEMENTS, "")[:64]
+        try:
+            cred = peerauth.check_headers(
+                request.headers,
+                self.tracker_public_key,
+                self.run_id,
+                PURPOSE,
+                key,
+                part,
+                weight_s,
+                elements_s,
+            )
+        except AuthError as exc:
+            raise _Refused(401, f"{exc}") from None
+        try:
+            declared = float(weight_s)
+        except ValueError:
+            declared = math.nan
+        if not (math.isfinite(declared) and declared >= 0):
+            raise _Refused(400, f"header {HEADER_WEIGHT} must be a finite number of samples ≥ 0")
+        if not elements_s.isdigit() or len(elements_s) > 12:
+            raise _Refused(400, f"header {HEADER_ELEMENTS} must be the number of values sent")
+        return key, part, cred, declared, int(elements_s)
+
+    async def _collect(
+        self,
+        request: web.Request,
+        rnd: Round,
+        red: PartReducer,
+        member: GroupMember,
+        declared: float,
+        elements: int,
+    ) -> None:
+        """Read ``member``'s copy of my part into the reducer, or refuse it (and reject it, but for a copy
+        that only came too late)."""
+        key, part, peer = rnd.key, red.part, member.peer_id
+        begun = red.begin(peer)
+        if begun == "closed":
+            raise _Refused(
+                410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
+            )
+        if begun == "duplicate":
+            raise _Refused(409, f"peer {peer} already sent its copy of part {part} in round {key}")
+        try:
+            contribution = await self._read_contribution(request, rnd, member, declared, elements)
+        except _Refused as r:
+            if r.status != 408:
+                red.reject(peer, r.text)
+                log.warning("round %s: refused %s's copy of part %d: %s", key, peer, part, r.text)
+            raise
+        if not red.accept(contribution):
+            raise _Refused(
+                410, f"part {part} of round {key} closed at its deadline; the contribution came too late"
+            )
+
+    async def _answer(self, request: web.Request, rnd: Round, red: PartReducer) -> web.StreamResponse:
+        """Stream my reduced part to a sender whose copy is in, each sub-frame as soon as its slice is
+        reduced; an answer unfinished by the deadline plus ``grace_s`` is cut short (the sender then keeps
+        its own values for this part)."""
+        key, part = rnd.key, red.part
+        try:
+            async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
+                await red.done.wait()
+        except TimeoutError:
+            raise _Refused(503, f"part {part} of round {key} was not reduced in time") from None
+        outcome = red.outcome
+        assert outcome is not None
+        if outcome.values is None:
+            raise _Refused(503, outcome.reason)
+        response = web.StreamResponse(headers={HEADER_ELEMENTS: str(red.length)})
+        response.content_type = "application/octet-stream"
+        if rnd.answer_stored:  # a known length: no chunked encoding, frames go out without being joined
+            response.content_length = stored_length(red.length, self.config.subframe_elements)
+        await response.prepare(request)
+        sent = 0
+        try:
+            async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
+                while True:  # each sub-frame as soon as its slice is reduced
+                    while sent >= len(outcome.frames) and not red.complete.is_set():
+                        await red.more.wait()
+                    if sent >= len(outcome.frames):
+                        break
+                    header, body = outcome.frames[sent]
+                    await response.write(header)
+                    await response.write(body)
+                    sent += 1
+        except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
+            log.warning("round %s: the answer for part %d did not finish in time", key, part)
+        await response.write_eof()
+        return response
+
+    async def _read_contribution(
+        self, request: web.Request, rnd: Round, member: GroupMember, declared: float, elements: int
+    ) -> Contribution:
+        red = rnd.reducer
+        assert red is not None
+        peer = member.peer_id
+        if declared > member.weight:
+            raise _Refused(
+                422,
+                f"peer {peer} declares weight {declared:g}, above the {member.weight} samples it reported",
+            )
+        expected = 0 if (declared == 0 and not rnd.uniform) else red.length
+        if elements != expected:
+            raise _Refused(422, f"peer {peer} sends {elements} values but part {red.part} holds {expected}")
+        codec, step = self.config.codec, self.config.subframe_elements
+        storage = None
+        into: KeptPart | np.ndarray | None = None
+        if expected and codec.lossy:  # kept as the codec's payload: 1 or 2 bytes a value instead of 4
+            storage = self._take_buffer(KeptPart.nbytes(codec, expected, step))
+            into = KeptPart(codec, expected, step, storage)
+        elif expected:
+            storage = self._take_buffer(4 * expected)
+            into = storage[: 4 * expected].view(np.float32)
+        floats = into if isinstance(into, np.ndarray) else np.empty(0, np.float32)  # (none: an empty part)
+        t = time.perf_counter()
+        try:
+            async with asyncio.timeout(rnd.deadline - time.time()):
+                dest = into if isinstance(into, KeptPart) else lambda a, b: floats[a:b]
+                norm2, nbytes = await read_part(request.content, self._coder, expected, dest)
+        except TimeoutError:
+            raise _Refused(
+                408, f"peer {peer}'s copy of part {red.part} did not arrive by the deadline"
+            ) from None
+        except NonFinite as exc:
+            raise _Refused(422, f"peer {peer}: {exc}") from None
+        except LimitExceeded as exc:
+            raise _Refused(413, f"peer {peer}: {exc}") from None
+        except ProtocolError as exc:
+            raise _Refused(400, f"peer {peer}: {exc}") from None
+        except (asyncio.IncompleteReadError, ConnectionError, aiohttp.ClientPayloadError):
+            raise _Refused(408, f"peer {peer} went away while sending part {red.part}") from None
+        rnd.stats.decode_s += time.perf_counter() - t
+        rnd.stats.bytes_received += nbytes
+        weight = 1.0 if rnd.uniform else declared
+        return Contribution(peer, weight, into, math.sqrt(norm2), storage=storage)

@@ -1,0 +1,82 @@
+"""One all-reduce round as both sides of it see it: its record, its byte counts, and what it gave.
+
+:class:`Round` is what :class:`~crowdtrain.volunteer.averaging.allreduce.Averager` sets up from a checked
+assignment and hands to the owner side (:mod:`~crowdtrain.volunteer.averaging.owner`, which receives the
+copies of the part this peer owns) and to the member side (:mod:`~crowdtrain.volunteer.averaging.sender`,
+which sends this peer's copies of the other parts); both add their bytes and seconds to its :class:`Stats`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from crowdtrain.protocol.messages import GroupAssignment, GroupMember
+from crowdtrain.volunteer.averaging.reducer import PartReducer
+
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # a round id or a tag: one path segment of the route
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """What one all-reduce round gave this peer."""
+
+    round_key: str
+    values: np.ndarray  # the weighted mean (float32); local values in ``failed_parts``
+    members: tuple[str, ...]
+    my_part: int  # -1: client mode
+    dropped: tuple[str, ...]  # members whose copy of my part did not arrive by the deadline
+    rejected: tuple[str, ...]  # members whose copy of my part failed a check
+    clipped: tuple[str, ...]  # members whose copy of my part was scaled down to the norm bound
+    failed_parts: tuple[int, ...]  # parts whose owner failed or refused me; local values kept
+    bytes_sent: int
+    bytes_received: int
+    raw_bytes: int  # what the values I sent would have taken as plain fp32
+    duration: float
+    phases: dict[str, float]
+    reasons: dict[str, str] = field(default_factory=dict)  # "part 2" / peer id → why, for the log
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+
+@dataclass(slots=True)
+class Stats:
+    """Bytes and seconds of one round, added to by both sides."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    raw_bytes: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Round:
+    key: str
+    assignment: GroupAssignment
+    members: dict[str, GroupMember]
+    bounds: list[tuple[int, int]]  # part index → [start, stop)
+    my_part: int
+    deadline: float
+    uniform: bool  # every assigned weight is 0: the plain mean of everyone's values
+    tag: str
+    answer_stored: bool = False  # my part's answer goes stored, with a Content-Length (see Coder.stores)
+    reducer: PartReducer | None = None
+    output: np.ndarray | None = None  # where the round's result is written
+    in_place: bool = False  # ``output`` is this peer's vector itself
+    stats: Stats = field(default_factory=Stats)
+
+
+def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous slices of ``n`` values, one per part, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for k in range(parts):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
