@@ -350,6 +350,9 @@ class StepWatch(Message, frozen=True, kw_only=True):
 class LeaveRequest(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     peer_id: str
+    # the state it kept on leaving (in its data folder): the tracker vouches for its content hash, so the peer
+    # serves it when it joins again under a new identity (see the tracker's donor rule)
+    kept: StateVersion | None = None
 
 
 class ReadyRequest(Message, frozen=True, kw_only=True):

@@ -184,8 +184,10 @@ class SimVolunteer:
         )
         await self.client.declare_state(self.run_id, msg, self.key, self.joined.credential)
 
-    async def leave(self) -> None:
+    async def leave(self, kept: tuple[int, str, int] | None = None) -> None:
+        """Leave, telling the state kept (step, content hash, size) when ``kept`` is given."""
         assert self.joined is not None, "join first"
+        version = None if kept is None else StateVersion(step=kept[0], content_hash=kept[1], size=kept[2])
         await self.client.leave(
-            self.run_id, LeaveRequest(peer_id=self.peer_id), self.key, self.joined.credential
+            self.run_id, LeaveRequest(peer_id=self.peer_id, kept=version), self.key, self.joined.credential
         )

@@ -468,6 +468,32 @@ async def test_state_of_a_step_a_peer_skipped_is_refused_and_repeated_refusals_d
         assert donors.serving == 1 and [d.peer_id for d in donors.donors] == [va.peer_id]
 
 
+async def test_the_state_a_leaving_peer_kept_is_vouched_for_and_served_when_it_joins_again(admin, run_id):
+    async with PingServer() as a, PingServer() as b, PingServer() as c:
+        va, vb = await reachable_volunteers(admin, run_id, (a, b))
+        await va.heartbeat(0, 50)
+        await vb.heartbeat(0, 50)
+        await asyncio.gather(va.ready(0, 50), vb.ready(0, 50))
+        # both took part in step 0 and leave with the state of step 1 kept; vb also tells one of step 1 with a
+        # hash of its own, and a step the run never reached: each vouched for only as far as its part allows
+        await va.leave(kept=(1, "aa" * 32, 10))
+        await vb.leave(kept=(5, "bb" * 32, 10))
+        assert (await admin.status(run_id)).peers_online == 0
+        # va joins again under a new identity (it took part in no step as that one): it serves its kept state
+        (again,) = await reachable_volunteers(admin, run_id, (c,))
+        await again.declare_state(1, "aa" * 32, 10)
+        donors = await admin.donors(run_id)
+        assert (donors.state.step, donors.state.content_hash) == (1, "aa" * 32)
+        assert [d.peer_id for d in donors.donors] == [again.peer_id]
+        # a hash nobody who took part vouched for is still refused
+        with pytest.raises(
+            TrackerError, match="took no part in step 0, so it cannot vouch for the state of step 1"
+        ):
+            await again.declare_state(1, "bb" * 32, 10)
+        with pytest.raises(TrackerError, match="beyond the run's step 1"):
+            await again.declare_state(5, "bb" * 32, 10)
+
+
 async def test_state_declare_validates(admin, run_id):
     v = SimVolunteer(admin, run_id)
     await v.join()

@@ -211,8 +211,12 @@ class RunState:
         self.reopened.discard(peer_id)
         return True
 
-    def leave(self, peer_id: str) -> bool:
-        """The peer leaves (False: it was not registered); a round waiting for it forms without it."""
+    def leave(self, peer_id: str, kept: StateVersion | None = None) -> bool:
+        """The peer leaves (False: it was not registered); a round waiting for it forms without it. The state
+        it ``kept`` (in its data folder) is vouched for when it may vouch for it: it serves it when it joins
+        again."""
+        if peer_id in self.peers and kept is not None:
+            self.state_donors.vouch(peer_id, kept, self.global_step)
         if not self.remove(peer_id):
             return False
         self.maybe_form(time.time())

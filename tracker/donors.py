@@ -79,7 +79,19 @@ class Donors:
         offer.states = tuple(versions)
         for v in versions:
             if not self.rounds.knows(v.step - 1) or self.rounds.took_part(v.step - 1, peer_id):
-                self.vouched.setdefault(v.step, set()).add(v.content_hash)
+                self._vouch(v)
+
+    def vouch(self, peer_id: str, version: StateVersion, global_step: int) -> bool:
+        """Vouch for the content hash of a state a leaving peer kept, under the rule of :meth:`declare`
+        (False: the peer may not vouch for it). A peer that left and joins again under a new identity then
+        serves the state it kept, though it took part in no step under that identity."""
+        if self._refusal(peer_id, [version], global_step) is not None:
+            return False
+        self._vouch(version)
+        return True
+
+    def _vouch(self, version: StateVersion) -> None:
+        self.vouched.setdefault(version.step, set()).add(version.content_hash)
         for step in sorted(self.vouched)[:-KEEP_FORMED_STEPS]:
             del self.vouched[step]
 

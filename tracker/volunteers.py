@@ -148,7 +148,7 @@ class Volunteers:
 
     async def leave(self, request: web.Request) -> web.Response:
         run, msg, _ = await self._signed(request, LeaveRequest)
-        if not run.leave(msg.peer_id):
+        if not run.leave(msg.peer_id, kept=msg.kept):
             raise ApiError(404, f"peer {msg.peer_id} is not registered in run {run.run_id}")
         return web.Response(status=204)
 

@@ -31,6 +31,7 @@ from crowdtrain.protocol.messages import (
     JoinResponse,
     LeaveRequest,
     RunSpec,
+    StateVersion,
 )
 from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.volunteer import events as ev
@@ -83,6 +84,7 @@ class Volunteering:
     stop: asyncio.Event
     emit: ev.Emit
     record: ev.Record | None
+    kept: StateVersion | None = None  # the state it kept on leaving, told to the tracker with the leave
 
     def emit_averaging(self, event: ev.Event) -> None:
         """The averager's ``emit``: its rounds' bytes count in the summary, then the event goes out."""
@@ -379,7 +381,9 @@ async def _serving(
         await server.stop()
         with contextlib.suppress(CrowdtrainError, TimeoutError, OSError):
             async with asyncio.timeout(LEAVE_TIMEOUT_S):
-                await tracker.leave(cfg.run_id, LeaveRequest(peer_id=join.peer_id), me.key, join.credential)
+                await tracker.leave(
+                    cfg.run_id, LeaveRequest(peer_id=join.peer_id, kept=me.kept), me.key, join.credential
+                )
         if averager is not None:
             await averager.close()
         await torrent.close()

@@ -179,10 +179,11 @@ class Snapshotter:
             return
         try:
             self.kept.parent.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread(self._write, self.kept, applied, run.trainer.model.state_dict())
+            kept = await asyncio.to_thread(self._write, self.kept, applied, run.trainer.model.state_dict())
         except OSError as exc:
             run.note(logging.WARNING, "could not keep the state of step %d (%s)", applied, exc)
             return
+        run.me.kept = kept.version  # told with the leave: the tracker vouches for it, so it serves it again
         run.note(
             logging.INFO,
             "kept the run's state of step %d in %s: joining again resumes from it if no peer serves a newer one",
