@@ -390,6 +390,3 @@ class ErrorFeedback:
                 residual[~np.isfinite(residual)] = 0.0
         self.residual = residual
         return raw, sent
-
-    def reset(self) -> None:
-        self.residual = None

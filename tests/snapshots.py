@@ -1,32 +1,52 @@
-"""State snapshots for the tests, in memory: what a volunteer writes to a file (``save_snapshot``), held as
-bytes so that a test can flip them, cut them or serve them from several donors at once.
+"""State snapshots for the tests, as the product holds them: files (``save_snapshot``) in a test's folder.
 
-:func:`describe` hashes bytes into a manifest on its own (plain ``hashlib`` over each range), so that a
-snapshot's manifest, hashed by the writer while it streams, is checked against a second computation.
+:func:`make_snapshot` writes a volunteer's state the product's way; :func:`snapshot_file` serves any bytes
+under any manifest, so that a test can flip them, cut them or lie about them; :func:`content` reads a
+snapshot's bytes back. :func:`manifest_of` hashes bytes into a manifest on its own (plain ``hashlib`` over
+each range), so that a snapshot's manifest, hashed by the writer while it streams, is checked against a
+second computation.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from crowdtrain.protocol.messages import StateManifest
 from crowdtrain.volunteer.state.config import MiB
-from crowdtrain.volunteer.state.snapshot import Snapshot, write_snapshot
+from crowdtrain.volunteer.state.snapshot import Snapshot, save_snapshot
 
 
-def make_snapshot(**fields: Any) -> Snapshot:
-    """:func:`write_snapshot` into memory: a :class:`Snapshot` holding its bytes (``fields`` as it takes them)."""
-    buffer = io.BytesIO()
-    manifest = write_snapshot(buffer, **fields)
-    return Snapshot.of(manifest, data=buffer.getvalue())
+def _new_file(directory: Path) -> Path:
+    fd, name = tempfile.mkstemp(dir=directory, prefix="state-", suffix=".safetensors")
+    os.close(fd)
+    return Path(name)
 
 
-def describe(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB) -> Snapshot:
-    """A :class:`Snapshot` of any ``data``: the sha256 of the whole and of each ``range_bytes`` range."""
+def make_snapshot(directory: Path, **fields: Any) -> Snapshot:
+    """:func:`save_snapshot` into a new file in ``directory`` (``fields`` as it takes them)."""
+    return save_snapshot(_new_file(directory), **fields)
+
+
+def snapshot_file(directory: Path, data: bytes, manifest: StateManifest) -> Snapshot:
+    """A :class:`Snapshot` of ``manifest`` whose file in ``directory`` holds ``data``, true to it or not."""
+    path = _new_file(directory)
+    path.write_bytes(data)
+    return Snapshot.of(manifest, path=path)
+
+
+def content(snapshot: Snapshot) -> bytes:
+    """The bytes of a snapshot's file."""
+    return snapshot.path.read_bytes()
+
+
+def manifest_of(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB) -> StateManifest:
+    """The manifest of any ``data``: the sha256 of the whole and of each ``range_bytes`` range."""
     ranges = [hashlib.sha256(data[a : a + range_bytes]).hexdigest() for a in range(0, len(data), range_bytes)]
-    manifest = StateManifest(
+    return StateManifest(
         run_id=run_id,
         step=step,
         content_hash=hashlib.sha256(data).hexdigest(),
@@ -34,4 +54,3 @@ def describe(data: bytes, *, run_id: str, step: int, range_bytes: int = 4 * MiB)
         range_bytes=range_bytes,
         range_sha256=ranges,
     )
-    return Snapshot.of(manifest, data=data)

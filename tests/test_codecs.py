@@ -247,13 +247,16 @@ def test_int8_payload_and_decoded_values_are_bit_for_bit_the_plain_computation(n
         assert np.array_equal(np.signbit(decoded), np.signbit(sent))
 
 
-def test_error_feedback_drops_non_finite_residuals_and_resets():
+def test_error_feedback_drops_non_finite_residuals_and_starts_afresh_on_another_length():
     ef = ErrorFeedback(Codec.INT8)
     x = np.array([1.0, np.nan, 0.3], np.float32)
     ef.transform(x)
     assert np.isfinite(ef.residual).all()
-    ef.reset()
-    assert ef.residual is None
+    ef.transform(np.array([1.0, 0.3, 0.3], np.float32))
+    assert ef.residual[1] != 0  # 0.3 is off the int8 grid of absmax 1: an error to carry
+    y = np.array([0.3, 1.0], np.float32)
+    raw_y, _ = ef.transform(y)
+    assert raw_y == transform(y, Codec.INT8)  # the residual of three values is not added to two
     raw, sent = ErrorFeedback(Codec.NONE).transform(x)
     assert np.array_equal(sent, x, equal_nan=True) and len(raw) == 12
 

@@ -226,11 +226,11 @@ class LyingDonor(Volunteer):
 
         def lying_publish(snapshot: Snapshot) -> None:
             data = bytearray(snapshot.read(0, snapshot.size))
-            snapshot.discard()
             rb = snapshot.manifest.range_bytes
             for offset in range(rb // 2, len(data), rb):
                 data[offset] ^= 0x5A
-            publish(Snapshot.of(snapshot.manifest, data=bytes(data)))
+            snapshot.path.write_bytes(data)  # the file it serves, under the true manifest
+            publish(snapshot)
 
         server.publish = lying_publish
 

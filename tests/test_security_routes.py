@@ -99,7 +99,7 @@ async def join(client: TrackerClient, run_id: str, token: str | None = None) -> 
 
 
 @pytest.fixture
-async def world():
+async def world(tmp_path):
     async with serve(TrackerConfig()) as tracker:
         async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as admin:
             public = (await admin.create_run(make_run_create("public run"))).run_id
@@ -118,6 +118,7 @@ async def world():
         )
         state = StateServer(run_id=public, tracker_public_key=tracker.public_key, config=StateConfig())
         snap = make_snapshot(
+            tmp_path,
             run_id=public,
             step=3,
             recipe="mlp",

@@ -11,7 +11,7 @@ from torch import nn
 
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.volunteer.state.snapshot import load_snapshot
-from tests.snapshots import describe, make_snapshot
+from tests.snapshots import content, make_snapshot, manifest_of
 
 KiB = 1 << 10
 
@@ -44,7 +44,7 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.
     return model, opt, sched
 
 
-def test_round_trip_gives_identical_outputs_and_optimizer_continues_identically():
+def test_round_trip_gives_identical_outputs_and_optimizer_continues_identically(tmp_path):
     torch.manual_seed(0)
     x = torch.randint(0, 50, (4, 7))
     model, opt, sched = build()
@@ -52,6 +52,7 @@ def test_round_trip_gives_identical_outputs_and_optimizer_continues_identically(
     train_step(model, opt, sched, x)
 
     snap = make_snapshot(
+        tmp_path,
         run_id="r1",
         step=2,
         recipe="tiny",
@@ -61,11 +62,12 @@ def test_round_trip_gives_identical_outputs_and_optimizer_continues_identically(
         scheduler_state=sched.state_dict(),
         range_bytes=64 * KiB,
     )
-    assert snap.manifest.content_hash == hashlib.sha256(snap.data).hexdigest()
-    assert snap.version.size == len(snap.data) == snap.manifest.total_bytes
+    data = content(snap)
+    assert snap.manifest.content_hash == hashlib.sha256(data).hexdigest()
+    assert snap.version.size == len(data) == snap.manifest.total_bytes
     assert snap.version.step == 2
 
-    loaded = load_snapshot(snap.data)
+    loaded = load_snapshot(data)
     assert (loaded.run_id, loaded.step, loaded.recipe, loaded.args) == (
         "r1",
         2,
@@ -90,9 +92,10 @@ def test_round_trip_gives_identical_outputs_and_optimizer_continues_identically(
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
-def test_snapshot_is_plain_safetensors_with_header_metadata_and_ranges_hash_the_data():
+def test_snapshot_is_plain_safetensors_with_header_metadata_and_ranges_hash_the_data(tmp_path):
     model, opt, _ = build()
     snap = make_snapshot(
+        tmp_path,
         run_id="r1",
         step=0,
         recipe="tiny",
@@ -102,13 +105,14 @@ def test_snapshot_is_plain_safetensors_with_header_metadata_and_ranges_hash_the_
         scheduler_state=None,
         range_bytes=64 * KiB,
     )
-    tensors = safetensors.torch.load(snap.data)
+    data = content(snap)
+    tensors = safetensors.torch.load(data)
     assert "model.emb.weight" in tensors and "model.head.weight" not in tensors  # stored once, aliased
     rb = snap.manifest.range_bytes
-    assert len(snap.manifest.range_sha256) == -(-len(snap.data) // rb)
+    assert len(snap.manifest.range_sha256) == -(-len(data) // rb)
     for i, h in enumerate(snap.manifest.range_sha256):
-        assert hashlib.sha256(snap.data[i * rb : (i + 1) * rb]).hexdigest() == h
-    assert describe(snap.data, run_id="r1", step=0, range_bytes=rb).manifest == snap.manifest
+        assert hashlib.sha256(data[i * rb : (i + 1) * rb]).hexdigest() == h
+    assert manifest_of(data, run_id="r1", step=0, range_bytes=rb) == snap.manifest
 
 
 def test_load_refuses_safetensors_not_made_by_crowdtrain():
@@ -117,9 +121,10 @@ def test_load_refuses_safetensors_not_made_by_crowdtrain():
         load_snapshot(data)
 
 
-def test_load_refuses_garbage_and_truncated_bytes():
+def test_load_refuses_garbage_and_truncated_bytes(tmp_path):
     model, opt, _ = build()
     snap = make_snapshot(
+        tmp_path,
         run_id="r1",
         step=0,
         recipe="tiny",
@@ -133,7 +138,7 @@ def test_load_refuses_garbage_and_truncated_bytes():
     with pytest.raises(ProtocolError):
         load_snapshot(b"\xff" * 64)
     with pytest.raises(ProtocolError):
-        load_snapshot(snap.data[: len(snap.data) // 2])
+        load_snapshot(content(snap)[: snap.size // 2])
 
 
 def test_unexpected_tensor_name_is_refused():

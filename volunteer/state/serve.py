@@ -106,8 +106,6 @@ class StateServer:
         self._served: OrderedDict[str, _Served] = OrderedDict()
         self._uploads = 0
         self._pacer = _Pacer(config.upload_rate)
-        self.bytes_uploaded = 0
-        self.uploads_refused = 0
 
     # ------------------------------------------------------------ publishing
 
@@ -188,7 +186,6 @@ class StateServer:
                 web.HTTPRequestRangeNotSatisfiable, str(exc), headers={"Content-Range": f"bytes */{total}"}
             ) from None
         if self._uploads >= self.config.max_uploads:
-            self.uploads_refused += 1
             raise _error(
                 web.HTTPServiceUnavailable,
                 f"this peer already uploads {self._uploads} state ranges; retry later or use another donor",
@@ -233,15 +230,12 @@ class StateServer:
             for offset in range(0, response.content_length, piece):
                 if frame is not None:
                     chunk = memoryview(frame)[offset : offset + piece]
-                elif snap.data is not None:
-                    chunk = memoryview(snap.data)[start + offset : min(start + offset + piece, end)]
                 else:  # read from its file as it goes: a large state is never held in memory to serve it
                     chunk = await asyncio.to_thread(
                         snap.read, start + offset, min(start + offset + piece, end)
                     )
                 await self._pacer.take(len(chunk))
                 await response.write(chunk)
-                self.bytes_uploaded += len(chunk)
             await response.write_eof()
         except ConnectionError:
             pass  # the client went away (e.g. another donor delivered this range first); nothing to answer

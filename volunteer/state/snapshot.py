@@ -64,19 +64,18 @@ class SnapshotHeader(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A snapshot's manifest and its bytes: in memory (``data``) or in a file (``path``) it owns."""
+    """A snapshot's manifest and the file (``path``) it owns that holds its bytes."""
 
     manifest: StateManifest
     version: StateVersion
-    data: bytes | None = None
-    path: Path | None = None
+    path: Path
 
     @classmethod
-    def of(cls, manifest: StateManifest, *, data: bytes | None = None, path: Path | None = None) -> Snapshot:
+    def of(cls, manifest: StateManifest, *, path: Path) -> Snapshot:
         version = StateVersion(
             step=manifest.step, content_hash=manifest.content_hash, size=manifest.total_bytes
         )
-        return cls(manifest=manifest, version=version, data=data, path=path)
+        return cls(manifest=manifest, version=version, path=path)
 
     @property
     def step(self) -> int:
@@ -91,17 +90,13 @@ class Snapshot:
         return self.manifest.total_bytes
 
     def read(self, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` (blocking for a file: call it in a thread for large spans)."""
-        if self.data is not None:
-            return self.data[start:end]
-        assert self.path is not None
+        """Bytes ``start:end`` of its file (blocking: call it in a thread for large spans)."""
         with open(self.path, "rb") as f:
             return os.pread(f.fileno(), end - start, start)
 
     def discard(self) -> None:
         """Delete its file (a snapshot no longer served)."""
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)
