@@ -123,6 +123,20 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # the most one peer is credited of a step's target while another peer takes part in the step: no peer
     # closes a step alone or outweighs the others then (1.0: no cap, for a run whose peers trust each other)
     max_peer_share: float = 0.5
+    # local steps (DiLoCo): 1 = every step is averaged (the default). H > 1: a global step is one outer round
+    # of H × target_batch_size samples over the run; each peer takes inner optimizer steps of
+    # ``inner_batch_size`` samples (0: the micro-batch size) with the run's optimizer from the round's start
+    # parameters, the peers average their pseudo-gradients (start minus end parameters, weighted by samples)
+    # and every peer applies the same outer step: Nesterov SGD with ``outer_lr`` and ``outer_momentum``
+    inner_steps: int = 1
+    inner_batch_size: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    @property
+    def local(self) -> bool:
+        """Local-steps mode: inner optimizer steps, an outer step per global step."""
+        return self.inner_steps > 1
 
 
 class ChunkInfo(Message, frozen=True, kw_only=True):

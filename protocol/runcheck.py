@@ -125,6 +125,19 @@ def check_averaging(avg: AveragingSpec) -> None:
     clip = avg.clip_multiple
     if not (math.isfinite(clip) and (clip == 0 or clip >= 1)):
         raise ConfigError("averaging.clip_multiple", f"must be 0 (no clipping) or a number ≥ 1, got {clip}")
+    check_local_steps(avg)
+
+
+def check_local_steps(avg: AveragingSpec) -> None:
+    """The local-steps options: whole numbers in range, an outer step that moves and a momentum below 1."""
+    _int("averaging.inner_steps", avg.inner_steps, 1, 100_000)
+    _int("averaging.inner_batch_size", avg.inner_batch_size, 0, 1 << 24)
+    if not (math.isfinite(avg.outer_lr) and 0 < avg.outer_lr <= 10):
+        raise ConfigError("averaging.outer_lr", f"must be above 0 and at most 10, got {avg.outer_lr}")
+    if not (math.isfinite(avg.outer_momentum) and 0 <= avg.outer_momentum < 1):
+        raise ConfigError(
+            "averaging.outer_momentum", f"must be at least 0 and below 1, got {avg.outer_momentum}"
+        )
 
 
 def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:

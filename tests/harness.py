@@ -79,6 +79,7 @@ async def published_run(
     db: str = ":memory:",
     source: str | Path = "builtin:stdlib",
     eval: dict[str, Any] | None = None,
+    schedule: dict[str, Any] | None = None,
 ) -> AsyncIterator[Published]:
     config = TrackerConfig(db=db, heartbeat_interval_s=0.2, peer_ttl_s=10.0, **(tracker or {}))
     async with serve(config) as running:
@@ -100,7 +101,7 @@ async def published_run(
             target_batch_size=target_batch_size,
             micro_batch_size=micro_batch_size,
             optimizer=optimizer or {"name": "adamw", "lr": 3e-3},
-            schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
+            schedule=schedule or {"kind": "constant", "warmup_steps": 0, "total_steps": 1000},
             averaging={
                 "group_size": 4,
                 "codec": "none",

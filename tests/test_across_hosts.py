@@ -143,7 +143,7 @@ class Cli:
 class Published:
     """Tracker and seeder up, a run created: what the README's publisher walk-through does."""
 
-    def __init__(self, net: Network, tmp: Path, *, seed_with_token: bool = True, delay: int = 0) -> None:
+    def __init__(self, net: Network, tmp: Path, *, seed_with_token: bool = True, averaging: str = "") -> None:
         tracker_host, seeder_host = net.hosts["tracker"], net.hosts["seeder"]
         self.tracker = Cli(
             tracker_host, tmp / "tracker", "tracker", "serve", "--host", "0.0.0.0", "--port", str(PORT)
@@ -154,8 +154,9 @@ class Published:
         self.token = self.tracker.line_matching(r"admin token: (\S+)").group(1)
         self.home = tmp / "seeder"
         self.home.mkdir()
-        # the README's run file; with its "# delay = 1" line taken in (the last table is [averaging])
-        (self.home / "run.toml").write_text(RUN_TOML + (f"delay = {delay}\n" if delay else ""))
+        # the README's run file, with ``averaging`` lines taken in (e.g. its "# delay = 1"; the last table is
+        # [averaging])
+        (self.home / "run.toml").write_text(RUN_TOML + averaging)
         made = Cli(
             seeder_host, self.home, "dataset", "make", "builtin:stdlib", "--out", "data",
             "--tracker", self.url, "--chunk-size", "64KiB", "--max-bytes", "768KiB",
@@ -220,10 +221,10 @@ def steps_taken(v: Cli, end: int) -> tuple[int, int]:
     return len(done), end - start
 
 
-def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], delay: int = 0) -> None:
+def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], averaging: str = "") -> None:
     # (a) seeds as the README shows (registering with the admin token); (b) seeds without the token, the run
     # having made the tracker serve the data set
-    pub = Published(net, tmp, seed_with_token=not client_mode, delay=delay)
+    pub = Published(net, tmp, seed_with_token=not client_mode, averaging=averaging)
     names = ["v1", "v2", "v3", "v4"]
     flags = {n: ["--client-mode"] if n in client_mode else [] for n in names}
     vols = {n: pub.join(net.hosts[n], tmp, *flags[n]) for n in names[:3]}
@@ -291,12 +292,24 @@ def test_four_volunteers_on_four_hosts_train_together_with_delayed_updates(tmp_p
     """The same with ``delay = 1``: volunteers compute the next step ahead while a step is averaged, and
     the late one catches up and takes its share of the steps."""
     with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
-        run_with_a_late_volunteer(net, tmp_path, client_mode=set(), delay=1)
+        run_with_a_late_volunteer(net, tmp_path, client_mode=set(), averaging="delay = 1\n")
 
 
 def test_all_but_one_volunteer_in_client_mode_still_train_together(tmp_path):
     with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
         run_with_a_late_volunteer(net, tmp_path, client_mode={"v2", "v3", "v4"})
+
+
+def test_in_local_steps_volunteers_in_client_mode_send_only_and_a_late_one_catches_up(tmp_path):
+    """Local-steps mode (``inner_steps = 2``): the NAT'd volunteers own no part and serve no state, the one
+    reachable volunteer owns every part and serves the outer state the late one catches up to."""
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
+        run_with_a_late_volunteer(
+            net,
+            tmp_path,
+            client_mode={"v2", "v3", "v4"},
+            averaging="inner_steps = 2\ninner_batch_size = 32\n",
+        )
 
 
 def test_a_run_with_no_reachable_volunteer_waits_and_says_why(tmp_path):

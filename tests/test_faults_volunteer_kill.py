@@ -43,8 +43,16 @@ def survivors_stepped_together_and_learned(survivors, recs, run, kill_step: int)
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(tmp_path):
-    averaging = {"round_timeout_s": ROUND_TIMEOUT_S, "gather_s": 1.0, "step_timeout_s": 20.0}
+@pytest.mark.parametrize("inner_steps", [1, 2], ids=["every-step", "local-steps"])
+async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(tmp_path, inner_steps):
+    """In local-steps mode too (``inner_steps = 2``): the round is an outer round, the victim's pseudo-gradient
+    is what is lost."""
+    averaging = {
+        "round_timeout_s": ROUND_TIMEOUT_S,
+        "gather_s": 1.0,
+        "step_timeout_s": 20.0,
+        "inner_steps": inner_steps,
+    }
     async with published_run(
         tmp_path, model=MODEL, averaging=averaging, target_batch_size=96, micro_batch_size=8
     ) as run:
@@ -106,7 +114,7 @@ async def test_volunteer_sigkilled_mid_round_the_others_finish_it_and_train_on(t
     victim_weight = done[0].group_samples - sum(e.contributed_samples for e in done)
     assert victim_weight > 0
     record_outcome(
-        "volunteer SIGKILLed mid-round",
+        "volunteer SIGKILLed mid-round" + (" (local steps)" if inner_steps > 1 else ""),
         rounds_completed=min(s.steps_done for s in summaries),
         killed_round_completed=True,
         steps_after_kill=min(v.step for v in survivors) - kill_step - 1,

@@ -151,7 +151,7 @@ class Ledger:
     def of(cls, spec: RunSpec, step: int) -> Ledger:
         return cls(
             spec.run_id,
-            spec.target_batch_size,
+            spec.target_batch_size * spec.averaging.inner_steps,  # (local steps: an outer round's samples)
             spec.micro_batch_size,
             spec.averaging.max_peer_share,
             step=step,

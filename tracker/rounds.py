@@ -55,7 +55,9 @@ def sign_round(
 ) -> dict[str, list[GroupAssignment]]:
     """One signed assignment per group of each phase of the ready ``candidates`` (each phase its own
     deadline), listed by member: a candidate's assignments, phase by phase."""
-    average_params = averaging.average_state_every > 0 and (step + 1) % averaging.average_state_every == 0
+    # (local steps: every peer ends an outer round with the same parameters; there is nothing to average)
+    every = 0 if averaging.local else averaging.average_state_every
+    average_params = every > 0 and (step + 1) % every == 0
     step_samples = sum(c.weight for c in candidates)
     assignments: dict[str, list[GroupAssignment]] = {c.peer_id: [] for c in candidates}
     for phase, groups in enumerate(phases):

@@ -38,6 +38,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
+from crowdtrain.volunteer.local import make_trainer
 from crowdtrain.volunteer.models import check_param_hash, get_recipe, preflight
 from crowdtrain.volunteer.models.origin import check_origin
 from crowdtrain.volunteer.models.recipe import Recipe
@@ -270,7 +271,7 @@ async def _build(cfg: VolunteerConfig, tracker: TrackerClient) -> _Built:
     if cfg.init_from is not None:
         init_step = await asyncio.to_thread(load_checkpoint, model, cfg.init_from, spec)
     device = str(resolve_device(cfg.device))  # "cpu", "cuda", "cuda:1"
-    trainer = Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
+    trainer = make_trainer(recipe, model, spec, device, step=init_step or 0)
     return _Built(spec, recipe, model_args, trainer, device, init_step)
 
 

@@ -111,7 +111,7 @@ class Snapshotter:
         async with self.stepping():
             loaded = await asyncio.to_thread(load_snapshot, path, into=trainer.model.state_dict())
             await asyncio.to_thread(
-                trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True
+                trainer.load_state, loaded.model_state, loaded.optimizer_state, owned=True, step=loaded.step
             )
         return loaded
 
@@ -179,7 +179,8 @@ class Snapshotter:
             return
         try:
             self.kept.parent.mkdir(parents=True, exist_ok=True)
-            kept = await asyncio.to_thread(self._write, self.kept, applied, run.trainer.model.state_dict())
+            # (the state of the step applied last: in local-steps mode not the parameters the round moved)
+            kept = await asyncio.to_thread(self._write, self.kept, applied, run.trainer.live_state())
         except OSError as exc:
             run.note(logging.WARNING, "could not keep the state of step %d (%s)", applied, exc)
             return

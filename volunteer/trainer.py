@@ -60,11 +60,15 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def all_finite(values: np.ndarray, chunk: int = 1 << 20) -> bool:
+_FINITE_CHUNK = 1 << 20  # values checked at a time by all_finite
+
+
+def all_finite(values: np.ndarray) -> bool:
     """True when no value is NaN or infinite. A chunk at a time: ``np.isfinite(values).all()`` would make a
     boolean temporary of the whole vector (a byte per parameter, at the peak of a step)."""
     flat = values.reshape(-1)
-    return all(np.isfinite(flat[a : a + chunk]).all() for a in range(0, flat.size, chunk))
+    n = _FINITE_CHUNK
+    return all(np.isfinite(flat[a : a + n]).all() for a in range(0, flat.size, n))
 
 
 def make_optimizer(
@@ -287,6 +291,19 @@ class Trainer:
         learning rate of ``step``, steps, and zeroes the accumulation. Returns the rate used.
         Raises :class:`AveragingError` (and leaves the model untouched) for a wrong length or non-finite values.
         """
+        self._receive(mean_grad, step)
+        lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
+        self._clip()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self._clear()
+        return lr
+
+    def _receive(self, mean_grad: np.ndarray, step: int) -> None:
+        """Check the mean of global step ``step`` and put it in ``.grad``; set the buffers from it and the
+        counters to the step count. :class:`AveragingError` (nothing changed) for a wrong length or a
+        non-finite value."""
         g = np.asarray(mean_grad)
         if g.shape != (self.numel,):
             raise AveragingError(
@@ -294,7 +311,6 @@ class Trainer:
             )
         if not all_finite(g):
             raise AveragingError("The averaged gradient contains NaN or infinite values; not stepping.")
-        lr = learning_rate(step, self.optimizer_spec, self.schedule_spec)
         self._bind_grads()
         source = torch.from_numpy(np.ascontiguousarray(g, dtype=np.float32))
         if source.data_ptr() != self._grad.data_ptr():  # (a mean handed out by take_grad is in place)
@@ -302,18 +318,21 @@ class Trainer:
         self._write_buffers(self._grad)
         for _, counter in self.counters:
             counter.fill_(step + 1)
+
+    @torch.no_grad()
+    def _clip(self) -> None:
+        """Scale the gradient in ``.grad`` down to the spec's global norm (torch.nn.utils.clip_grad_norm_'s
+        arithmetic, on the flat buffer in one kernel)."""
         clip = self.optimizer_spec.grad_clip
         if clip > 0:
-            # torch.nn.utils.clip_grad_norm_'s arithmetic, on the flat buffer in one kernel.
             grad = self._grad[: self.param_numel]
             grad.mul_(torch.clamp(clip / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0))
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+
+    def _clear(self) -> None:
+        """After a step: no gradient, no samples."""
         self._grad.zero_()
         self._samples = 0
         self._consumed = False
-        return lr
 
     # ------------------------------------------------------------------ parameters and state
 
@@ -356,12 +375,19 @@ class Trainer:
         return state
 
     def load_state(
-        self, model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any], *, owned: bool = False
+        self,
+        model_state: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any],
+        *,
+        owned: bool = False,
+        step: int = 0,
     ) -> None:
         """Load a snapshot's model and optimizer state; :class:`StateSyncError` if it does not fit.
 
         The optimizer state is copied first, unless ``owned`` (the caller hands its tensors over):
         ``Optimizer.load_state_dict`` keeps tensors of the right dtype and device and steps them in place.
+        ``step`` is the global step the state is of (the steps applied to it): a trainer that takes steps of
+        its own between global steps (:class:`crowdtrain.volunteer.local.LocalTrainer`) keys them to it.
         """
         try:
             self.model.load_state_dict(model_state, strict=True)  # copies in place: .grad views survive

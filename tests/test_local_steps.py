@@ -1,0 +1,158 @@
+"""Local-steps mode (``[averaging] inner_steps = H``): inner optimizer steps on each volunteer's own samples, the
+pseudo-gradients all-reduced, one outer Nesterov step per global step: through a real tracker, a real seeder
+and real peer servers, equal to the rule replayed in one process (``tests/local_oracle.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.protocol.client import TrackerClient
+from crowdtrain.protocol.errors import ConfigError
+from crowdtrain.protocol.messages import AveragingSpec
+from crowdtrain.protocol.runcheck import check_averaging
+from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.config import VolunteerConfig
+from crowdtrain.volunteer.engine import Volunteer
+from crowdtrain.volunteer.state.config import StateConfig
+from tests.harness import Recorder, published_run, until, volunteers
+from tests.local_oracle import local_replay_reference
+
+ROUNDS = 6
+H = 4
+LOCAL = {"codec": "none", "group_size": 4, "clip_multiple": 0.0, "inner_steps": H, "inner_batch_size": 16}
+
+
+def replay_rounds(run, vols, recs, rounds: int) -> list[list[list[tuple]]]:
+    """Each round's micro-batches, volunteer by volunteer (in peer-id order, the same in every round), read
+    back from the data set by the provenance each volunteer recorded."""
+    seq_len = run.spec.model.args["seq_len"]
+    ordered = sorted(zip(vols, recs, strict=True), key=lambda vr: vr[0].peer_id)
+    return [
+        [
+            [
+                (b.x, b.y)
+                for b in (
+                    Sampler.take(p, run.manifest, v.config.data_dir, seq_len) for p in rec.batches.get(k, [])
+                )
+            ]
+            for v, rec in ordered
+        ]
+        for k in range(rounds)
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("delay", [0, 1])
+async def test_three_volunteers_in_local_steps_equal_a_single_process_replay_of_the_rule(tmp_path, delay):
+    """A round is H × target samples shared out by rate; each volunteer takes its inner steps, and after every
+    round all hold the same parameters, equal to the rule replayed on the very samples each drew."""
+    async with published_run(
+        tmp_path,
+        target_batch_size=64,
+        micro_batch_size=8,
+        averaging={**LOCAL, "delay": delay},
+        # the inner learning rate moves within a round and from round to round (keyed to anchor_step × H + j)
+        schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": 40},
+    ) as run:
+        recs = [Recorder() for _ in range(3)]
+        events: list[list[ev.Event]] = [[], [], []]
+        vols = volunteers(
+            run, tmp_path, 3, seed=7, record=recs, emit=[e.append for e in events], max_steps=ROUNDS
+        )
+        summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
+        async with TrackerClient(run.tracker.url) as client:
+            status = await client.status(run.spec.run_id)
+    assert all(s.steps_done == ROUNDS and s.steps_missed == 0 for s in summaries), summaries
+    # a round holds H × target samples (the tracker's target is the round's)
+    round_samples = H * run.spec.target_batch_size
+    assert status.target == round_samples
+    assert status.recent_steps and all(
+        round_samples <= r.samples <= 1.25 * round_samples for r in status.recent_steps
+    ), [r.samples for r in status.recent_steps]
+    for k in range(1, ROUNDS + 1):
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[k], recs[0].params[k], err_msg=f"after round {k}")
+    # every volunteer took several inner steps in a round (its samples of the round over the inner batch)
+    inner_batch = run.spec.averaging.inner_batch_size
+    for rec in recs:
+        per_round = [sum(len(mb) for mb in rec.batches.get(k, [])) for k in range(ROUNDS)]
+        assert max(per_round) > inner_batch, per_round
+
+    rounds = replay_rounds(run, vols, recs, ROUNDS)
+    reference = local_replay_reference(run.spec, rounds, delay=delay)
+    assert len(reference) == ROUNDS
+    for k, expected in enumerate(reference, start=1):
+        np.testing.assert_allclose(recs[0].params[k], expected, rtol=0, atol=1e-5, err_msg=f"round {k}")
+    # the outer steps moved the parameters, and the loss fell
+    assert not np.allclose(recs[0].params[ROUNDS], recs[0].params[1])
+    losses = summaries[0].losses
+    assert losses[-1] < losses[0], losses
+    # the rule differs from every-step training on the same samples: the replay would not match a plain mean
+    steps_done = [e for e in events[0] if isinstance(e, ev.StepDone)]
+    assert [e.lr for e in steps_done] == [run.spec.averaging.outer_lr] * ROUNDS
+
+
+@pytest.mark.timeout(300)
+async def test_a_late_volunteer_catches_up_to_the_outer_state_and_then_matches_the_others(tmp_path):
+    """A newcomer fetches the anchor and the outer optimizer's state while it computes with weight 0, replays
+    the rounds that passed meanwhile, and from then on holds exactly the others' parameters."""
+    model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
+    state = StateConfig(range_bytes=64 * 1024, upload_rate=256 * 1024)  # a download of a few seconds
+    recs = {i: Recorder() for i in range(3)}
+    async with published_run(
+        tmp_path, model=model, target_batch_size=32, micro_batch_size=8, averaging={**LOCAL, "inner_steps": 3}
+    ) as run:
+
+        def make(i: int) -> Volunteer:
+            config = VolunteerConfig(
+                run_id=run.spec.run_id,
+                tracker_url=run.tracker.url,
+                data_dir=tmp_path / f"volunteer-{i}",
+                seed=i,
+                state=state,
+            )
+            return Volunteer(config, record=recs[i])
+
+        early = [make(0), make(1)]
+        tasks = [asyncio.create_task(v.run()) for v in early]
+        await until(lambda: min(v.step for v in early) >= 5, 120, "round 5 of the first two")
+        late = make(2)
+        tasks.append(asyncio.create_task(late.run()))
+        await until(
+            lambda: late.summary.caught_up_to is not None and late.summary.steps_done >= 3,
+            200,
+            "the late one's catch-up and three rounds after it",
+        )
+        for v in (*early, late):
+            v.stop()
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    caught = summaries[2].caught_up_to
+    assert caught is not None and caught >= 5, summaries[2]
+    compared = 0
+    for k, params in recs[2].params.items():
+        if k >= caught and k in recs[0].params:
+            np.testing.assert_array_equal(params, recs[0].params[k], err_msg=f"round {k}")
+            compared += 1
+    assert compared >= 2
+    assert summaries[2].steps_missed == 0 and min(recs[2].batches) >= caught
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("inner_steps", 0, "averaging.inner_steps: must be between 1 and 100000, got 0"),
+        ("inner_batch_size", -1, "averaging.inner_batch_size: must be between 0 and 16777216, got -1"),
+        ("outer_lr", 0.0, "averaging.outer_lr: must be above 0 and at most 10, got 0.0"),
+        ("outer_lr", float("nan"), "averaging.outer_lr: must be above 0 and at most 10, got nan"),
+        ("outer_momentum", 1.0, "averaging.outer_momentum: must be at least 0 and below 1, got 1.0"),
+    ],
+)
+def test_local_steps_options_out_of_range_are_refused_with_their_name(field, value, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        check_averaging(AveragingSpec(**{field: value}))
+    check_averaging(AveragingSpec(inner_steps=30, inner_batch_size=64, outer_lr=0.7, outer_momentum=0.9))

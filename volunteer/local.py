@@ -1,0 +1,193 @@
+"""Local steps (DiLoCo): a global step is one outer round, and only its pseudo-gradient is averaged.
+
+With ``[averaging] inner_steps = H`` (H > 1) a round covers ``H × target_batch_size`` samples over the run,
+shared out by rate as a step's samples are. Within it each peer takes *inner* optimizer steps on its own
+samples with the run's optimizer (its own state, never averaged), one every ``inner_batch_size`` samples
+(the micro-batch size when 0) and one for what is left when the round closes, starting from the round's
+*anchor*: the parameters every peer holds after the previous outer step. At the round's close the peer hands
+over its pseudo-gradient ``Δ = anchor − parameters`` and goes back to the anchor; the peers all-reduce
+``Δ`` weighted by their samples, exactly as they average a gradient in every-step mode, and every peer takes
+the same *outer* step from the anchor: Nesterov SGD with ``outer_lr`` and ``outer_momentum`` on the mean
+``Δ``. The inner learning rate of a round's ``j``-th inner step is the run's schedule at ``anchor_step × H +
+j``, where ``anchor_step`` is the global step of the anchor (the outer steps applied to it).
+
+:class:`LocalTrainer` is a :class:`~crowdtrain.volunteer.trainer.Trainer` whose accumulation takes the inner
+steps, whose ``take_grad`` hands out ``Δ`` and whose ``apply`` takes the outer step; everything the engine
+does with a trainer — rounds, delay 1, catch-up and its replay, snapshots, the kept state — works on it
+unchanged. Its snapshots hold the anchor and the outer optimizer's state (the live parameters move between
+global steps; the inner state is each peer's own). With ``delay = 1`` a round's ``Δ`` is applied when the
+next round closes, and the next round's inner steps start from the anchor before it (one round stale).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from crowdtrain.protocol.messages import RunSpec
+from crowdtrain.volunteer.models.recipe import Recipe
+from crowdtrain.volunteer.schedule import learning_rate
+from crowdtrain.volunteer.trainer import Trainer
+
+
+def make_trainer(
+    recipe: Recipe, model: torch.nn.Module, spec: RunSpec, device: str, step: int = 0
+) -> Trainer:
+    """The trainer of the run's mode: every-step (:class:`Trainer`) or local steps (:class:`LocalTrainer`);
+    ``step`` is the global step the model's parameters are of."""
+    if not spec.averaging.local:
+        return Trainer(recipe, model, spec.optimizer, spec.schedule, device=device)
+    return LocalTrainer(recipe, model, spec, device=device, step=step)
+
+
+class LocalTrainer(Trainer):
+    """Inner steps on this peer's samples, the pseudo-gradient handed out, the outer step applied."""
+
+    def __init__(
+        self, recipe: Recipe, model: torch.nn.Module, spec: RunSpec, device: str = "cpu", step: int = 0
+    ) -> None:
+        super().__init__(recipe, model, spec.optimizer, spec.schedule, device=device)
+        avg = spec.averaging
+        self.inner_steps = avg.inner_steps
+        self.inner_batch = avg.inner_batch_size or spec.micro_batch_size
+        self.outer_lr = avg.outer_lr
+        self.inner = self.optimizer  # the run's optimizer: this peer's own state, never averaged
+        # ``optimizer`` is what a snapshot holds and a fetched state loads: the outer one, the same on every peer
+        self.optimizer = torch.optim.SGD(
+            self.params, lr=avg.outer_lr, momentum=avg.outer_momentum, nesterov=avg.outer_momentum > 0
+        )
+        # the anchor: the parameters, then the buffers' values, in the flat layout of the averaged vector
+        self._anchor = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        self._anchor_views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self._anchor_views.append(self._anchor[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.anchor_step = step
+        self.inner_taken = 0  # inner steps taken since the anchor was set
+        self._round_samples = 0
+        self._set_anchor(step)
+
+    # ------------------------------------------------------------------ the round
+
+    @property
+    def samples(self) -> int:
+        """Samples computed in this round (over all its inner steps so far)."""
+        return self._round_samples
+
+    def accumulate(self, x: Any, y: Any) -> tuple[float, int]:
+        loss, n = super().accumulate(x, y)
+        self._round_samples += n
+        if self._samples >= self.inner_batch:
+            self._inner_step()
+        return loss, n
+
+    @torch.no_grad()
+    def _inner_step(self) -> None:
+        """One inner step on the mean gradient of the samples accumulated since the last one (none: no step)."""
+        if not self._samples:
+            return
+        self._bind_grads()
+        self._grad[: self.param_numel].div_(self._samples)
+        self._clip()
+        lr = learning_rate(
+            self.anchor_step * self.inner_steps + self.inner_taken, self.optimizer_spec, self.schedule_spec
+        )
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        self.inner_taken += 1
+        self._clear()
+
+    def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
+        """Take the inner step of what is left, hand out the pseudo-gradient ``anchor − parameters`` (then the
+        buffers' values) and go back to the anchor: the round's progress travels in the average only."""
+        self._inner_step()
+        with torch.no_grad():
+            self._bind_grads()
+            for view, anchor, p in zip(self._views, self._anchor_views, self.params, strict=True):
+                torch.sub(anchor, p, out=view)
+        self._samples = 1  # (the pseudo-gradient is whole: the base divides by one)
+        out = super().take_grad(into)
+        self._restore()
+        return out
+
+    def apply(self, mean_grad: np.ndarray, step: int) -> float:
+        """The outer step of global step ``step`` from the anchor, with the peers' mean pseudo-gradient; the
+        result is the new anchor. Returns the outer learning rate."""
+        self._receive(mean_grad, step)  # (checks first: a refused mean changes nothing)
+        with torch.no_grad():
+            for p, anchor in zip(self.params, self._anchor_views, strict=True):
+                p.copy_(anchor)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.outer_lr
+        self.optimizer.step()
+        self._clear()
+        self._set_anchor(step + 1)
+        return self.outer_lr
+
+    # ------------------------------------------------------------------ the anchor
+
+    @torch.no_grad()
+    def _set_anchor(self, step: int) -> None:
+        """The parameters and buffers held now are the run's state of ``step``: the next round starts here."""
+        for anchor, p in zip(self._anchor_views, self.params, strict=True):
+            anchor.copy_(p)
+        self._read_buffers(self._anchor)
+        self.anchor_step = step
+        self.inner_taken = 0
+        self._round_samples = 0
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        """Back to the anchor: the parameters, the buffers, no round under way."""
+        for p, anchor in zip(self.params, self._anchor_views, strict=True):
+            p.copy_(anchor)
+        self._write_buffers(self._anchor)
+        self.inner_taken = 0
+        self._round_samples = 0
+
+    def reset_accumulation(self) -> None:
+        """Drop the round: its samples, its accumulated gradient and its inner steps (back to the anchor)."""
+        super().reset_accumulation()
+        self._restore()
+
+    def mean_buffer(self) -> np.ndarray | None:
+        self._restore()
+        return super().mean_buffer()
+
+    def set_flat_params(self, values: np.ndarray) -> None:
+        super().set_flat_params(values)
+        self._set_anchor(self.anchor_step)
+
+    def flat_params(self) -> np.ndarray:
+        """The run's parameters (the anchor), then the buffers' values; not the round's local ones."""
+        return self._anchor.cpu().numpy().copy()
+
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The state a snapshot holds: the anchor (unchanged until the next outer step), not the parameters
+        the inner steps move."""
+        state = self.model.state_dict()
+        for (name, _), anchor in zip(self.named, self._anchor_views, strict=True):
+            state[name] = anchor
+        offset = self._buffers_at
+        for name, b in self.buffers:
+            state[name] = self._anchor[offset : offset + b.numel()].view_as(b).clone()
+            offset += b.numel()
+        for name, counter in self.counters:
+            state[name] = torch.full_like(counter, self.anchor_step)
+        return state
+
+    def load_state(
+        self,
+        model_state: Any,
+        optimizer_state: Any,
+        *,
+        owned: bool = False,
+        step: int = 0,
+    ) -> None:
+        super().load_state(model_state, optimizer_state, owned=owned, step=step)
+        super().reset_accumulation()
+        self._set_anchor(step)
