@@ -953,3 +953,23 @@ def test_render_client_mode_and_a_clean_round():
     assert has(text, "members p-alice, p-bob, p-carol (client mode: sent only)")
     assert has(text, "trouble none")
     assert "timing" not in text
+
+
+def test_local_steps_mode_is_named_on_joining_and_the_round_counts_its_inner_steps():
+    joined = dataclasses.replace(script()[0], inner_steps=30)
+    assert plain_line(joined).endswith("codec int8; local steps: an outer round of 30 inner steps' samples")
+    assert "local steps" not in plain_line(script()[0])  # every-step mode: not a word of it
+    rounds = [
+        joined,
+        ev.LocalTraining(
+            t=T0 + 1, loss=3.5, samples=192, samples_per_s=40.0, micro_batches=12, inner_steps=3
+        ),
+    ]
+    text = record(render(fold(rounds)))
+    assert has(text, "this round 192 samples, 3 inner steps"), text
+    assert "this step" not in text
+    # every-step mode keeps its row
+    text = record(render(fold([script()[0], local_training(0.5)])))
+    assert has(text, "this step 8 samples") and "this round" not in text
+    for event in rounds:
+        assert parse_json_line(json_line(event)) == event

@@ -255,6 +255,7 @@ class Training:
                     samples=trainer.samples,
                     samples_per_s=self.meter.samples_per_s,
                     micro_batches=self._micro_batches,
+                    inner_steps=trainer.inner_taken,
                     compute_share=self.meter.compute_share(),
                 )
             )

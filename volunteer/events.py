@@ -45,6 +45,7 @@ class Joined(Event):
     target_batch_size: int
     recipe: str
     codec: str
+    inner_steps: int = 1  # > 1: local-steps mode, a global step is an outer round of this many inner steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,6 +127,7 @@ class LocalTraining(Event):
     samples_per_s: float
     micro_batches: int  # total so far
     compute_share: float | None = None  # as in StepDone
+    inner_steps: int | None = None  # local-steps mode: inner steps taken in this round so far
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

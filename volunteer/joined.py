@@ -185,6 +185,7 @@ class JoinedRun:
                 target_batch_size=spec.target_batch_size,
                 recipe=spec.model.recipe,
                 codec=spec.averaging.codec,
+                inner_steps=spec.averaging.inner_steps,
             )
         )
 

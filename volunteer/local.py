@@ -45,6 +45,8 @@ def make_trainer(
 class LocalTrainer(Trainer):
     """Inner steps on this peer's samples, the pseudo-gradient handed out, the outer step applied."""
 
+    inner_taken: int = 0  # inner steps taken since the anchor was set
+
     def __init__(
         self, recipe: Recipe, model: torch.nn.Module, spec: RunSpec, device: str = "cpu", step: int = 0
     ) -> None:
@@ -66,7 +68,6 @@ class LocalTrainer(Trainer):
             self._anchor_views.append(self._anchor[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.anchor_step = step
-        self.inner_taken = 0  # inner steps taken since the anchor was set
         self._round_samples = 0
         self._set_anchor(step)
 

@@ -93,6 +93,9 @@ def make_optimizer(
 class Trainer:
     """One model, its optimizer and its accumulated gradient on one device."""
 
+    # optimizer steps taken since the last global step: none here (the local-steps trainer takes inner ones)
+    inner_taken: int | None = None
+
     def __init__(
         self,
         recipe: Recipe,

@@ -82,6 +82,7 @@ class Training:
     local_samples: int = 0
     local_samples_per_s: float = 0.0
     micro_batches: int = 0
+    inner_steps: int | None = None  # local-steps mode: inner steps taken in this round so far
     # share of wall time since the first micro-batch spent computing gradients that entered an average;
     # the newest known figure (an event that does not know it keeps the last one)
     compute_share: float | None = None

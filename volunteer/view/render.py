@@ -211,7 +211,14 @@ def local_rows(state: ViewState) -> list[Row]:
         ("loss", loss),
         ("speed", _value(fmt_speed(t.local_samples_per_s) if t.micro_batches else MISSING)),
         ("compute", _value(fmt_percent(t.compute_share))),
-        ("this step", _value(_plural(t.local_samples, "sample"))),
+        (
+            (
+                "this round",
+                _value(f"{_plural(t.local_samples, 'sample')}, {_plural(t.inner_steps, 'inner step')}"),
+            )
+            if t.inner_steps is not None
+            else ("this step", _value(_plural(t.local_samples, "sample")))
+        ),
         ("my share", _value(share_text)),
         ("steps", _value(steps)),
         ("lr", _value(MISSING if t.lr is None else f"{t.lr:.3g}")),

@@ -179,6 +179,7 @@ def _training_local(t: Training, e: ev.LocalTraining) -> Training:
         local_samples=e.samples,
         local_samples_per_s=e.samples_per_s,
         micro_batches=e.micro_batches,
+        inner_steps=e.inner_steps,
         compute_share=_newest(t.compute_share, e.compute_share),
     )
 

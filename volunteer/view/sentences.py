@@ -102,6 +102,11 @@ def _joined(e: ev.Joined) -> Sentence:
         f"joined run {e.run_name} ({e.run_id}) at {e.tracker} as {e.peer_id} "
         f"on {e.device}, {where}; global step {e.global_step}, "
         f"target {e.target_batch_size} samples, recipe {e.recipe}, codec {e.codec}"
+        + (
+            f"; local steps: an outer round of {e.inner_steps} inner steps' samples"
+            if e.inner_steps > 1
+            else ""
+        )
     )
 
 
