@@ -62,11 +62,7 @@ class LocalTrainer(Trainer):
         )
         # the anchor: the parameters, then the buffers' values, in the flat layout of the averaged vector
         self._anchor = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self._anchor_views: list[torch.Tensor] = []
-        offset = 0
-        for p in self.params:
-            self._anchor_views.append(self._anchor[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._anchor_views = self._param_views(self._anchor)
         self.anchor_step = step
         self._round_samples = 0
         self._set_anchor(step)

@@ -139,11 +139,7 @@ class Trainer:
         self._buffers_at = start
         self.numel = start + sum(b.numel() for _, b in self.buffers)
         self._grad = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        self._views: list[torch.Tensor] = []
-        offset = 0
-        for p in self.params:
-            self._views.append(self._grad[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self._views = self._param_views(self._grad)
         self._bind_grads()
         self._samples = 0
         self._consumed = False  # the buffer holds a mean handed out by take_grad: zero it before adding
@@ -151,6 +147,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+
+    def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of a vector in the flat layout, shaped as the parameter."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
 
     # ------------------------------------------------------------------ accumulation
 
