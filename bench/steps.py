@@ -1,18 +1,21 @@
 """Full steps against the real tracker: what one step costs it per volunteer, at 100, 300 and 1,000.
 
 Light simulated volunteers drive whole collaborative steps the way ``crowdtrain join`` does (the engine's
-tracker link, without a model): at a new step each one heartbeats at once and gets its allotment, computes
-toward it at its own rate (a clock, no gradients), heartbeats on the engine's cadence (the heartbeat
-interval, shorter near the end of a step: half the ETA, at least 0.1 s), reports at once when it reaches its
-allotment and then asks every IDLE_POLL_S; one long-poll per volunteer watches for the close (``GET
-/step``), which makes it heartbeat at once; then it calls ``ready`` with its weight, gets its signed
-assignment and moves to the next step. Each volunteer answers the tracker's reachability check
-(``GET /v1/ping``) on its own port, so every one may own a part. ``--heartbeats few`` keeps only the
-heartbeats a step cannot do without (at the start, at the allotment, after the close).
+tracker link, volunteer/link.py, without a model): each one computes toward its allotment of the step at its
+own rate (a clock, no gradients); its heartbeat loop sends a heartbeat every heartbeat interval (2 s), or at
+once when poked; it pokes one when it reaches its allotment (the report that closes the step) and when a
+step begins without an allotment (the first step; later ones get theirs in the ready reply). At its allotment
+it asks nothing: one long-poll per volunteer (``GET /step``) answers when the step closes, or when samples of
+it were freed (then it heartbeats for a share of them; a steady run frees none). On the close (from the
+watch, or a heartbeat's reply if that came first) it calls ``ready`` with its weight, gets its signed
+assignment and the next step's allotment, and moves on. Three keep-alive connections per volunteer, as the
+engine's connection pool has: heartbeats, the watch, ready calls. Each volunteer answers the tracker's
+reachability check (``GET /v1/ping``) on its own port, so every one may own a part. ``--heartbeats few``
+drops the heartbeats at the interval: only those a step cannot do without (at the allotment). (The engine
+heartbeats every 0.25 s while the run's rate is unknown: never here, every volunteer reports its rate.)
 
 The tracker runs as ``crowdtrain tracker serve`` pinned to core 0 (``taskset -c 0``); the volunteers run in
-one generator process pinned to core 1 (uvloop, two raw keep-alive HTTP/1.1 connections per volunteer,
-requests signed with the session MAC the real client uses). Steps are measured one at a time (every
+one generator process pinned to core 1 (uvloop, raw keep-alive HTTP/1.1 connections, requests signed with the session MAC the real client uses). Steps are measured one at a time (every
 volunteer has its assignment before the next step starts): the tracker's CPU time per step (utime + stime
 from /proc), per 100 volunteers, and its growth against the first ``--peers`` figure (cost per step per
 volunteer at N ÷ at the first N; 1.0 is linear); the ready latency after the close (from the first reply
@@ -34,9 +37,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -53,8 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-IDLE_POLL_S = 0.2  # volunteer/engine.py: at its allotment, how often it asks whether the step closed
-WATCH_S = 20.0  # volunteer/engine.py: the long-poll for a step's close
+WATCH_S = 20.0  # volunteer/link.py: the long-poll for a step's close
 READY_WAIT_S = 20.0
 CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 
@@ -150,7 +154,7 @@ class Link:
 
 class Counts:
     def __init__(self) -> None:
-        self.heartbeat = self.watch = self.ready = 0
+        self.heartbeat = self.watch = self.ready = self.freed = 0
 
 
 class Sim:
@@ -169,7 +173,7 @@ class Sim:
             "watch": msgspec.json.Decoder(StepWatch),
         }
         self.interval_s = 2.0  # the heartbeat interval, as the tracker says at join
-        self.few = few
+        self.few = few  # no heartbeats at the interval
         self.closed_at: dict[int, float] = {}
         self.counts = Counts()
 
@@ -182,7 +186,8 @@ class Sim:
 
 
 class SimPeer:
-    """One light volunteer: its credential and session key, its rate, its two connections, its ping port."""
+    """One light volunteer: its credential and session key, its rate, its connections, its ping port, and
+    the engine's view of the run (volunteer/link.py): its step, its allotment, the tracker's newest word."""
 
     def __init__(self, sim: Sim, joined, rate: float, ping_port: int) -> None:
         from crowdtrain.protocol.messages import encode
@@ -193,8 +198,17 @@ class SimPeer:
         self.cred_header = base64.urlsafe_b64encode(encode(joined.credential)).decode()
         self.rate = rate
         self.address = f":{ping_port}"
-        self.control = Link(sim.host, sim.port)
-        self.watcher = Link(sim.host, sim.port)
+        self.control = Link(sim.host, sim.port)  # heartbeats
+        self.watcher = Link(sim.host, sim.port)  # the step watch
+        self.readier = Link(sim.host, sim.port)  # ready calls
+        self.pos = 0  # the step it computes for
+        self.samples = 0.0  # computed toward it, as of ``since``
+        self.since = 0.0  # (loop time)
+        self.allot: tuple[int, int] | None = None  # (step, samples): its allotment, as last heard
+        self.news: tuple[int, bool] | None = None  # (global step, closed): the tracker's newest word
+        self.freed = False  # the watch said samples of the step were freed
+        self.changed = asyncio.Event()  # a reply came
+        self.poked = asyncio.Event()  # heartbeat now
 
     def _post(self, action: str, msg, query: str = "") -> bytes:
         from crowdtrain.protocol.messages import encode
@@ -234,58 +248,97 @@ class SimPeer:
         self.sim.counts.ready += 1
         msg = ReadyRequest(peer_id=self.peer_id, step=step, weight=weight)
         raw = self._post("ready", msg, f"?wait_s={READY_WAIT_S:g}")
-        return await self._call(self.control, raw, self.sim.decoders["ready"])
+        return await self._call(self.readier, raw, self.sim.decoders["ready"])
+
+    # ------------------------------------------------------------ the engine's link, modelled
+
+    def computed(self) -> float:
+        """Samples computed toward the current step by now: at its rate, up to its allotment (none
+        without one)."""
+        allot = self.allot[1] if self.allot is not None and self.allot[0] == self.pos else None
+        now = asyncio.get_running_loop().time()
+        if allot is not None and self.samples < allot:
+            self.samples = min(float(allot), self.samples + self.rate * (now - self.since))
+        self.since = now
+        return self.samples
+
+    def hear(self, global_step: int, closed: bool) -> None:
+        """TrackerLink._hear: the newest word, unless older than the one kept."""
+        self.sim.heard(self.pos, global_step, closed)
+        if self.news is None or (global_step, closed) >= self.news:
+            self.news = (global_step, closed)
+        self.changed.set()
+
+    async def beat(self) -> None:
+        """TrackerLink.heartbeats: every interval, or at once when poked (the reply: allotment and news)."""
+        interval = math.inf if self.sim.few else self.sim.interval_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if math.isinf(interval) else interval):
+                    await self.poked.wait()
+            self.poked.clear()
+            step = self.pos
+            self.freed = False
+            reply = await self.heartbeat(step, int(self.computed()))
+            if reply.global_step == step == self.pos and reply.allotment is not None:
+                self.computed()  # (at the old allotment up to now)
+                self.allot = (step, reply.allotment)
+            self.hear(reply.global_step, reply.step_closed)
 
     async def watch(self, step: int) -> None:
-        """The engine's step watch: long-polls until ``step`` closed, then the close is heard."""
+        """TrackerLink.watch: long-polls ``step`` until it closed (or passed); a reply saying samples of it
+        were freed makes the volunteer ask for a share, if it is at its allotment."""
         path = f"/api/v1/runs/{self.sim.run_id}/step?step={step}&wait_s={WATCH_S:g}"
         raw = f"GET {path} HTTP/1.1\r\nHost: {self.sim.host}:{self.sim.port}\r\n\r\n".encode()
         while True:
             self.sim.counts.watch += 1
             w = await self._call(self.watcher, raw, self.sim.decoders["watch"])
-            if self.sim.heard(step, w.global_step, w.step_closed):
+            if w.global_step > step or w.step_closed:
+                self.hear(w.global_step, w.step_closed)
                 return
+            if w.free:
+                self.sim.counts.freed += 1
+                self.freed = True
+                self.changed.set()
 
     async def step(self, step: int) -> float:
-        """One full step; returns when this volunteer had its assignment (perf_counter)."""
-        loop = asyncio.get_running_loop()
-        watch = loop.create_task(self.watch(step))
-        samples, allot, at_quota = 0.0, None, False
-        last = loop.time()
-        reply = await self.heartbeat(step, 0)  # at the new step, at once: its allotment
-        while not self.sim.heard(step, reply.global_step, reply.step_closed):
-            if reply.allotment is not None:
-                allot = reply.allotment
-            now = loop.time()
+        """One full step (Training._work and _follow); returns when this volunteer had its assignment
+        (perf_counter)."""
+        watch = asyncio.get_running_loop().create_task(self.watch(step))
+        if self.allot is None or self.allot[0] != step:
+            self.poked.set()  # no allotment of this step came with the last group: ask for one
+        at_quota = False
+        while not (self.news is not None and (self.news[0] > step or self.news == (step, True))):
+            samples = self.computed()
+            allot = self.allot[1] if self.allot is not None and self.allot[0] == step else None
+            self.changed.clear()
             if allot is not None and samples < allot:
-                samples = min(float(allot), samples + self.rate * (now - last))
-            last = now
-            if allot is not None and samples >= allot:
-                delay = 0.0 if not at_quota else (IDLE_POLL_S if not self.sim.few else 1.0)
-                at_quota = True
-            else:
                 at_quota = False
-                if self.sim.few:
-                    cadence = self.sim.interval_s
-                elif reply.eta_s is None:
-                    cadence = min(self.sim.interval_s, 0.25)
-                else:
-                    cadence = min(self.sim.interval_s, max(0.1, reply.eta_s / 2))
-                delay = cadence if allot is None else min(cadence, (allot - samples) / self.rate)
-            if delay > 0:
-                await asyncio.wait([watch], timeout=delay)  # its watch heard the close: heartbeat at once
-                now = loop.time()
-                if allot is not None and samples < allot:
-                    samples = min(float(allot), samples + self.rate * (now - last))
-                last = now
-            reply = await self.heartbeat(step, int(samples))
+                with contextlib.suppress(TimeoutError):  # computing, until its allotment or a reply
+                    async with asyncio.timeout((allot - samples) / self.rate):
+                        await self.changed.wait()
+                continue
+            if allot is not None and not at_quota:
+                at_quota = True
+                self.poked.set()  # report it: the report of the last one closes the step
+            await self.changed.wait()  # the close (watch or heartbeat), an allotment, or freed samples
+            if self.freed and at_quota:
+                self.freed = False
+                self.poked.set()
+        if self.news[0] > step:
+            raise RuntimeError(f"peer {self.peer_id} missed step {step}")
         while True:
-            answer = await self.ready(step, int(samples))
+            answer = await self.ready(step, int(self.computed()))
             if answer.status == "group":
                 done = time.perf_counter()
                 break
             if answer.status != "wait":
                 raise RuntimeError(f"peer {self.peer_id}: ready for step {step} answered {answer.status}")
+        if answer.next_allotment is not None and answer.global_step == step + 1:
+            self.allot = (step + 1, answer.next_allotment)
+        # on to the next step, computing at once (between two measured steps too, as the engine would)
+        self.pos, self.samples, self.since = step + 1, 0.0, asyncio.get_running_loop().time()
+        self.news = None  # (wait for a fresh word on the new step)
         await asyncio.wait_for(watch, WATCH_S + 10)
         return done
 
@@ -354,6 +407,7 @@ async def generate(args: argparse.Namespace, url: str, token: str, tracker_pid: 
         async with sem:
             await p.control.open()
             await p.watcher.open()
+            await p.readier.open()
 
     await asyncio.gather(*(connect(p) for p in peers))
     # every volunteer reachable before the first step (the tracker pings each one once)
@@ -361,12 +415,20 @@ async def generate(args: argparse.Namespace, url: str, token: str, tracker_pid: 
     waiting = list(peers)
     while waiting:
         replies = await asyncio.gather(*(p.heartbeat(0, 0) for p in waiting))
+        for p, r in zip(waiting, replies, strict=True):
+            p.allot = (
+                (0, r.allotment) if r.allotment is not None else None
+            )  # (as the engine's first heartbeat)
         waiting = [p for p, r in zip(waiting, replies, strict=True) if not r.reachable]
         if waiting and time.perf_counter() > deadline:
             raise RuntimeError(f"{len(waiting)} volunteers were not found reachable within 60 s")
         if waiting:
             await asyncio.sleep(0.05)
     setup_s = time.perf_counter() - setup_t0
+    loop = asyncio.get_running_loop()
+    for p in peers:
+        p.since = loop.time()
+    beats = [loop.create_task(p.beat()) for p in peers]  # each volunteer's heartbeat loop, all along
 
     records = []
     total = args.warmup + args.steps
@@ -374,10 +436,13 @@ async def generate(args: argparse.Namespace, url: str, token: str, tracker_pid: 
         measured = step >= args.warmup
         if step == args.warmup:  # the tracker times its GC (and profiles) over the measured steps
             os.kill(tracker_pid, signal.SIGUSR1)
-        before = (sim.counts.heartbeat, sim.counts.watch, sim.counts.ready)
+        before = (sim.counts.heartbeat, sim.counts.watch, sim.counts.ready, sim.counts.freed)
         cpu0, gen0, t0 = cpu_seconds(tracker_pid), time.process_time(), time.perf_counter()
         done = await asyncio.gather(*(p.step(step) for p in peers))
         cpu1, gen1, t1 = cpu_seconds(tracker_pid), time.process_time(), time.perf_counter()
+        for beat in beats:  # (a heartbeat loop that failed would leave its volunteer waiting)
+            if beat.done():
+                beat.result()
         closed = sim.closed_at[step]
         records.append(
             {
@@ -391,13 +456,18 @@ async def generate(args: argparse.Namespace, url: str, token: str, tracker_pid: 
                 "heartbeats": sim.counts.heartbeat - before[0],
                 "watches": sim.counts.watch - before[1],
                 "readies": sim.counts.ready - before[2],
+                "freed": sim.counts.freed - before[3],
             }
         )
         if step == total - 1:
             os.kill(tracker_pid, signal.SIGUSR2)
+    for beat in beats:
+        beat.cancel()
+    await asyncio.gather(*beats, return_exceptions=True)
     for p in peers:
         p.control.close()
         p.watcher.close()
+        p.readier.close()
     for server, _ in servers:
         server.close()
     return {"peers": n, "setup_s": setup_s, "steps": records}
@@ -407,7 +477,7 @@ async def generate(args: argparse.Namespace, url: str, token: str, tracker_pid: 
 
 
 def raise_file_limit() -> None:
-    """Two connections per volunteer on each side, and a ping port each: lift the soft limit to the hard."""
+    """Three connections per volunteer on each side, and a ping port each: lift the soft limit to the hard."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -458,7 +528,6 @@ def run_one(peers: int, args: argparse.Namespace, turn: int = 0) -> dict:
             gen_args = [
                 "--generate",
                 url,
-                token,
                 str(server.pid),
                 str(Path(tmp) / "steps.json"),
                 "--peers",
@@ -478,7 +547,8 @@ def run_one(peers: int, args: argparse.Namespace, turn: int = 0) -> dict:
                 [*taskset(1), sys.executable, str(Path(__file__).resolve()), *gen_args],
                 capture_output=True,
                 text=True,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                # (the token in the environment: one that begins with "-" read as an option)
+                env=dict(os.environ, PYTHONUNBUFFERED="1", BENCH_ADMIN_TOKEN=token),
                 timeout=900,
             )
             if gen.returncode != 0:
@@ -556,14 +626,14 @@ def main() -> None:
     )
     ap.add_argument("--profile", help="write a cProfile of the tracker's measured steps here, one per N")
     ap.add_argument("--json", action="store_true", help="print the raw per-step records too")
-    ap.add_argument("--generate", nargs=4, metavar=("URL", "TOKEN", "PID", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--generate", nargs=3, metavar=("URL", "PID", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     raise_file_limit()
     if args.generate:
         sys.path.insert(0, str(ROOT))  # for tests/sim.py (make_run_create), which is not installed
         import uvloop
 
-        url, token, pid, out = args.generate
+        (url, pid, out), token = args.generate, os.environ["BENCH_ADMIN_TOKEN"]
         Path(out).write_text(json.dumps(uvloop.run(generate(args, url, token, int(pid)))))
         return
     if args.profile:

@@ -354,11 +354,17 @@ class HeartbeatReply(Message, frozen=True, kw_only=True):
 
 class StepWatch(Message, frozen=True, kw_only=True):
     """The answer to ``GET .../step?step=N`` (a long-poll): returned as soon as step N closed or the run
-    moved past it, so every volunteer hears of a close within a round trip, not a heartbeat interval."""
+    moved past it, so every volunteer hears of a close within a round trip, not a heartbeat interval; and
+    as soon as samples of open step N were freed (``free``), so a volunteer at its allotment hears of a
+    larger share without polling for it."""
 
     version: Version = VERSION
     global_step: int
     step_closed: bool  # the target of ``global_step`` is reached
+    # samples of the open step's target that no peer holds or was allotted, when some were freed while the
+    # watch waited (a peer left, or stopped computing): a peer at its allotment heartbeats for a share of
+    # them (None: nothing was freed, or a tracker that does not say)
+    free: int | None = None
 
 
 class LeaveRequest(Message, frozen=True, kw_only=True):

@@ -267,6 +267,32 @@ async def test_step_watch_answers_within_a_round_trip_of_the_close(client):
         await client._request("GET", f"/api/v1/runs/{run_id}/step?step=x")
 
 
+async def test_step_watch_answers_when_samples_of_the_open_step_are_freed_so_a_peer_at_its_share_needs_no_polling(
+    client,
+):
+    """A peer at its allotment waits on the step watch and asks nothing. When a peer holding the rest of the
+    step leaves, the watch answers at once with how many samples are free (the step still open), and the
+    waiting peer's next heartbeat is allotted them; a heartbeat that frees nothing leaves the watch waiting."""
+    run_id = await new_run(client, target=120, gather_s=5.0)
+    a, b, c = await joined(client, run_id, 3)
+    for v in (a, b, c):
+        await v.heartbeat(0, 0, samples_per_s=10.0)
+    reply = await a.heartbeat(0, 40, samples_per_s=10.0)  # a is at its share (and could compute more)
+    assert (reply.allotment, reply.step_closed) == (40, False)
+    watch = asyncio.create_task(client.watch_step(run_id, 0, wait_s=20))
+    await asyncio.sleep(0.05)
+    await c.heartbeat(0, 10, samples_per_s=10.0)  # progress, nothing freed
+    await asyncio.sleep(0.05)
+    assert not watch.done()
+    await b.leave()  # b's 40 samples are nobody's now
+    answer = await asyncio.wait_for(watch, 2)
+    assert (answer.global_step, answer.step_closed, answer.free) == (0, False, 40)
+    reply = await a.heartbeat(0, 40, samples_per_s=10.0)
+    assert reply.allotment is not None and reply.allotment > 40
+    # once the freed samples are allotted again, a new watch waits (and says nothing freed when it times out)
+    assert (await client.watch_step(run_id, 0, wait_s=0.2)).free is None
+
+
 async def test_a_run_with_no_reachable_peer_closes_no_step_and_says_why(client):
     run_id = await new_run(client, target=20, gather_s=0.2)
     a, b = await joined(client, run_id, 2, reachable=False)  # both in client mode

@@ -12,6 +12,10 @@ The rules volunteers rely on:
   peer is reachable the step stays open, volunteers keep accumulating, and every heartbeat reply and the
   run's status carry :data:`NO_REACHABLE_PEER` as ``notice``. Heartbeat replies say ``step_closed=True``
   once it closed.
+* ``GET /step?step=N`` (:meth:`RunState.wait_close`, a long-poll) answers as soon as step N closed or the
+  run passed it, and as soon as samples of open step N were freed (a peer left, or stopped computing: no
+  peer holds them or was allotted them) with how many are free, so a peer at its allotment heartbeats for
+  a share of them then, instead of polling for one.
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
   the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
   passed — plus, for a contributor still computing, the time of one of its micro-batches
@@ -142,6 +146,7 @@ class RunState:
         self.ready: dict[str, int] = {}  # ready peers' credited weights
         self.pending: set[str] = set()  # after the close: peers whose ready call is awaited
         self.changed = asyncio.Event()
+        self.freed = 0  # how many times samples of the open step were freed (answers the step watches)
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
         self.stopping = False
@@ -205,7 +210,9 @@ class RunState:
     def remove(self, peer_id: str) -> bool:
         if self.peers.pop(peer_id, None) is None:
             return False
+        free = self.ledger.free
         self.ledger.remove(peer_id)
+        self._freed(free)
         self.pending.discard(peer_id)
         self.ready.pop(peer_id, None)
         self.reopened.discard(peer_id)
@@ -234,6 +241,7 @@ class RunState:
     def heartbeat(self, peer: Peer, hb: Heartbeat) -> HeartbeatReply:
         """Take a heartbeat (its evaluation checked by :meth:`eval_refusal` first) and answer it."""
         now = time.monotonic()
+        free = self.ledger.free
         share = self.ledger.report(
             peer.peer_id,
             step=hb.step,
@@ -245,29 +253,14 @@ class RunState:
         )
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, hb.compute_share
         peer.last_seen = now
+        self._freed(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:
             self.pending.add(peer.peer_id)
         self.maybe_close(time.time())
         if hb.eval is not None and hb.eval.step > peer.evaluated:  # (a retried heartbeat: counted once)
             peer.evaluated = hb.eval.step
             self.store.add_eval(self.run_id, hb.eval)
-        return HeartbeatReply(
-            global_step=self.global_step,
-            samples=self.ledger.tally.samples,
-            target=self.target,
-            peers_online=len(self.peers),
-            samples_per_s=self.ledger.tally.rate_sum,
-            eta_s=self.eta_s(),
-            step_closed=self.closed_at is not None,
-            reachable=peer.reach.reachable,
-            address=peer.reach.address,
-            checked=peer.reach.checked,
-            bt_address=peer.reach.bt_address,
-            bt_reachable=peer.reach.bt_reachable,
-            notice=self.notice,
-            allotment=self.ledger.allotment(peer.peer_id, step_open=self.closed_at is None),
-            ahead_share=share.ahead_share,
-        )
+        return _heartbeat_reply(self, peer, share)
 
     def eval_refusal(self, report: EvalReport) -> str | None:
         """Why a held-out evaluation is refused (None: it is a report of a step the run has taken and its
@@ -281,6 +274,12 @@ class RunState:
         if not all(math.isfinite(v) for v in [report.loss, *report.metrics.values()]):
             return "an evaluation's loss and metrics must be finite numbers"
         return None
+
+    def _freed(self, before: int) -> None:
+        """More samples of the open step are free than ``before``: the step watches answer (wait_close)."""
+        if self.closed_at is None and self.ledger.free > max(before, 0):
+            self.freed += 1
+            self._wake()
 
     # ------------------------------------------------------------ closing a step
 
@@ -417,17 +416,23 @@ class RunState:
         self.changed = asyncio.Event()
 
     async def wait_close(self, step: int, long_poll_s: float) -> StepWatch:
-        """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, or after ``long_poll_s``."""
+        """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, once samples of it were
+        freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
+        freed, free = self.freed, None
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
+            if self.freed != freed and self.global_step == step and self.ledger.free > 0:  # (not taken yet)
+                free = self.ledger.free
+                break
+            freed = self.freed
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             await wait_at_most(self.changed, remaining)
-        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None)
+        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None, free=free)
 
     async def ready_call(
         self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
@@ -504,3 +509,24 @@ class RunState:
     def refusal(self) -> str | None:
         """The sentence a volunteer's request gets once its admin closed the run (None while it is open)."""
         return self.closed
+
+
+def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
+    """What a heartbeat is told: the run's step and progress, where the peer is reached, and its shares."""
+    return HeartbeatReply(
+        global_step=run.global_step,
+        samples=run.ledger.tally.samples,
+        target=run.target,
+        peers_online=len(run.peers),
+        samples_per_s=run.ledger.tally.rate_sum,
+        eta_s=run.eta_s(),
+        step_closed=run.closed_at is not None,
+        reachable=peer.reach.reachable,
+        address=peer.reach.address,
+        checked=peer.reach.checked,
+        bt_address=peer.reach.bt_address,
+        bt_reachable=peer.reach.bt_reachable,
+        notice=run.notice,
+        allotment=run.ledger.allotment(peer.peer_id, step_open=run.closed_at is None),
+        ahead_share=share.ahead_share,
+    )

@@ -252,6 +252,11 @@ class Ledger:
         fresh = share is not None and share.step == self.step == step + 1
         return share.allotted if share is not None and fresh else None
 
+    @property
+    def free(self) -> int:
+        """Samples of the step's target that no peer at it holds or was allotted (while it is open)."""
+        return self.target - self.tally.reserved
+
     def eta_s(self, step_open: bool) -> float | None:
         """Seconds until the step's target is reached at the run's rate (0 once closed; None: no rate)."""
         if not step_open:

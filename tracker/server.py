@@ -139,6 +139,11 @@ class Tracker:
         r.add_get("/healthz", self.healthz)
         r.add_get("/metrics", self.metrics_page)
         admin, volunteers = Admin(self), Volunteers(self)
+        # A run's routes are tried in the order they were added (aiohttp matches the ones under /api/v1/runs
+        # one by one): the step's requests, a few per volunteer per step, first.
+        r.add_get("/api/v1/runs/{run_id}/step", volunteers.watch_step)
+        r.add_post("/api/v1/runs/{run_id}/heartbeat", volunteers.heartbeat)
+        r.add_post("/api/v1/runs/{run_id}/ready", volunteers.ready)
         r.add_post("/api/v1/datasets", admin.register_dataset)
         r.add_post("/api/v1/runs", admin.create_run)
         r.add_get("/api/v1/runs", self.list_runs)
@@ -146,10 +151,7 @@ class Tracker:
         r.add_get("/api/v1/runs/{run_id}/torrent", self.get_torrent)
         r.add_get("/api/v1/runs/{run_id}/tokenizer", self.get_tokenizer)
         r.add_get("/api/v1/runs/{run_id}/status", self.get_status)
-        r.add_get("/api/v1/runs/{run_id}/step", volunteers.watch_step)
         r.add_post("/api/v1/runs/{run_id}/join", volunteers.join)
-        r.add_post("/api/v1/runs/{run_id}/heartbeat", volunteers.heartbeat)
-        r.add_post("/api/v1/runs/{run_id}/ready", volunteers.ready)
         r.add_post("/api/v1/runs/{run_id}/leave", volunteers.leave)
         r.add_post("/api/v1/runs/{run_id}/state", volunteers.declare_state)
         r.add_get("/api/v1/runs/{run_id}/state/donors", volunteers.donors)

@@ -47,7 +47,7 @@ from crowdtrain.volunteer.trainer import Trainer
 __all__ = ["Summary", "Volunteer", "load_checkpoint"]
 
 LOCAL_REPORT_S = 1.0
-IDLE_POLL_S = 0.2  # at its share of the step: how often to ask whether the step closed or needs more
+IDLE_POLL_S = 0.2  # at its share of the step: how often the loop looks around (asking the tracker nothing)
 
 
 class Volunteer:
@@ -214,21 +214,23 @@ class Training:
             # next step's micro-batches on those parameters while the others finish this step
             early = await self.rounds.hand_over(False, self._conclude)
             self.rounds.early = None if self.catchup.active else early  # (the previous round failed)
+            if self.rounds.early is not None:  # say "ready" the moment the close is heard, mid-micro-batch
+                link.ready_on_close(early.step, early.weight, self._computed_ahead)
             link.poke()  # tell the tracker it is done with this step
             self._shown = ""  # (the step's hand-over showed "stepping")
             return False
         else:
-            # this peer's share of the step is computed: report it now and wait for the close (or a larger
-            # share, if the others fell short), asking again every IDLE_POLL_S
+            # its share of the step is computed: report it, then wait for the close, or a larger share if
+            # samples were freed; the step watch (a long-poll) tells both: waiting asks the tracker nothing
             if not self._at_quota:
                 self._at_quota = True
+                link.freed = False  # (the report's reply carries its share of what is free now)
                 link.poke()
-            # (slowly while the tracker says the run cannot step: asking often would not help)
-            poll_s = self.run.heartbeat_interval if link.notice else IDLE_POLL_S
-            await wait_at_most(link.changed, poll_s)
-            if not link.changed.is_set():
-                link.poke()
+            await wait_at_most(link.changed, IDLE_POLL_S)
             link.changed.clear()
+            if link.freed:  # ask for a share of them
+                link.freed = False
+                link.poke()
         return True
 
     async def _compute(self, quota: int | None) -> None:
@@ -262,20 +264,23 @@ class Training:
 
     async def _follow(self) -> None:
         """Act on the tracker's newest word: the step closed (average and step) or moved on (missed)."""
-        reply, pos = self.link.reply, self.run.pos
-        if reply is None:
+        news, pos = self.link.news, self.run.pos
+        if news is None:
             return
         # its ready call for this step went out already (computing ahead): the round may have formed, so a
         # reply with a later global step is no sign of a missed step
         asked = self.link.asked(pos.step)
-        if reply.global_step > pos.step and not asked:
-            self._fell_behind(reply.global_step)
-        elif asked or (reply.global_step == pos.step and reply.step_closed):
+        if news.global_step > pos.step and not asked:
+            self._fell_behind(news.global_step)
+        elif asked or (news.global_step == pos.step and news.step_closed):
             await self._average_and_step()
-            self.link.reply = None  # wait for a fresh view of the new step
+            self.link.news = None  # wait for a fresh view of the new step
             self._at_quota = False
-            self.link.poke()  # tell the tracker at once that this peer is in the new step
             self._shown = ""
+        else:
+            return
+        if self.link.allotment.step != pos.step:  # no share of its new step came with the group: ask now
+            self.link.poke()
 
     # ------------------------------------------------------------------ the allotment
 

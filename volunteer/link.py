@@ -1,10 +1,14 @@
 """The volunteer's link to the tracker: heartbeats, the step watch, its allotment, and asking for a group.
 
-A step's close reaches the volunteer within a round trip: :meth:`TrackerLink.watch` long-polls for it and,
-on a close, sends a heartbeat at once; the heartbeat's reply (:attr:`TrackerLink.reply`, announced by
-:attr:`TrackerLink.changed`) is what the training loop acts on. The tracker's share of each step for this peer
-arrives in both kinds of reply and is kept in one :class:`Allotment`. Ready calls start in one place,
-:meth:`TrackerLink.ask_ready`; a call for a step already asked is the same call.
+A step's close reaches the volunteer within a round trip: :meth:`TrackerLink.watch` long-polls for it. What the
+tracker last said of the step (:attr:`TrackerLink.news`, from the watch or a heartbeat's reply, whichever came
+last; announced by :attr:`TrackerLink.changed`) is what the training loop acts on. The watch also answers when
+samples of the open step were freed (:attr:`TrackerLink.freed`): a peer at its allotment then heartbeats for a
+share of them. So a peer waiting at its allotment costs the tracker nothing (a long-poll), and heartbeats keep
+their interval. The tracker's share of each step for this peer arrives in heartbeat and ready replies and is
+kept in one :class:`Allotment`. Ready calls start in one place, :meth:`TrackerLink.ask_ready`; a call for a step
+already asked is the same call, and one can be made the moment a step's close is heard
+(:meth:`TrackerLink.ready_on_close`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,14 @@ class Allotment:
         return self.ahead if self.ahead is not None else quota // 2
 
 
+@dataclass(frozen=True, slots=True)
+class StepNews:
+    """What the tracker last said of the run's step: its global step, and whether that step closed."""
+
+    global_step: int
+    step_closed: bool
+
+
 @dataclass(slots=True)
 class Group:
     """The tracker's answer to a ready call: this peer's group in each phase (``group``), ``missed`` (the step
@@ -82,13 +94,16 @@ class TrackerLink:
         self.run = run
         self._progress = progress
         self._on_reply = on_reply
-        self.reply: HeartbeatReply | None = None  # the newest heartbeat reply (None: wait for a fresh one)
+        self.news: StepNews | None = None  # the tracker's newest word on the step (None: wait for one)
         self.changed = asyncio.Event()  # set by each reply
+        self.freed = False  # the watch heard that samples of the step were freed (since the last heartbeat)
         self._now = asyncio.Event()  # set: send the next heartbeat now
+        self._rate_unknown = False  # the last reply had no ETA: no peer of the open step reported a rate yet
         self.allotment = Allotment()
         self.notice: str | None = None  # the run-wide problem the tracker reports, if any
         self._reachability: tuple | None = None
         self._ready: tuple[int, asyncio.Task[ReadyReply | None]] | None = None
+        self._on_close: tuple[int, int, Callable[[], int]] | None = None  # see ready_on_close
 
     def poke(self) -> None:
         """Send the next heartbeat now."""
@@ -124,12 +139,13 @@ class TrackerLink:
     async def _heartbeat_once(self) -> None:
         run = self.run
         hb = self._progress()
+        self.freed = False  # (this reply carries its allotment of what is free now)
         reply = await run.tracker.heartbeat(run.config.run_id, hb, run.key, run.credential)
         if reply.global_step == hb.step == run.pos.step and reply.allotment is not None:
             self.allotment.heard(hb.step, reply.allotment)
         self.allotment.ahead = reply.ahead_share
-        self.reply = reply
-        self.changed.set()
+        self._hear(reply.global_step, reply.step_closed)
+        self._rate_unknown = reply.eta_s is None and not reply.step_closed and not reply.notice
         self._on_reply(reply)
         self._told_reachability(reply)
         run.emit(
@@ -145,14 +161,11 @@ class TrackerLink:
         )
 
     def _next_heartbeat_s(self) -> float:
-        """The heartbeat interval, shorter near the end of a step (half its ETA, at least 0.1 s) and while
-        the run's rate is unknown, so shares and the close follow the run closely where it matters."""
-        reply, interval = self.reply, self.run.heartbeat_interval
-        if reply is None or reply.step_closed or reply.notice:
-            return interval
-        if reply.eta_s is None:
-            return min(interval, 0.25)
-        return min(interval, max(0.1, reply.eta_s / 2))
+        """The heartbeat interval: the close and a larger share come on the step watch, so nothing is gained
+        by asking more often; but while the run's rate is unknown (its first moments), every 0.25 s, so the
+        first allotments (made before any rate was known) are shared out again soon."""
+        interval = self.run.heartbeat_interval
+        return min(interval, 0.25) if self._rate_unknown else interval
 
     async def sleep_until(self, seconds: float, event: asyncio.Event) -> None:
         """Sleep ``seconds``, or less if ``event`` or the stop is set."""
@@ -189,8 +202,9 @@ class TrackerLink:
     # ------------------------------------------------------------------ the step's close
 
     async def watch(self) -> None:
-        """Hear of a step's close within a round trip (a long-poll), not at the next heartbeat: on a close,
-        heartbeat at once; its reply tells the training loop to average."""
+        """Hear of a step's close within a round trip (a long-poll), not at the next heartbeat: the training
+        loop acts on it (and a ready call waiting for it goes out at once); hear too that samples of the step
+        were freed (:attr:`freed`: a peer at its allotment heartbeats for a share of them)."""
         run = self.run
         while not run.stopping:
             step = run.pos.step
@@ -200,14 +214,39 @@ class TrackerLink:
                 await self.sleep_until(run.heartbeat_interval, run.me.stop)
                 continue
             if watch.global_step > step or watch.step_closed:
-                self.poke()
+                self._hear(watch.global_step, watch.step_closed)
                 # until this peer moved on from that step (or a heartbeat interval passed): the same answer
-                # again would only repeat the heartbeat
+                # again would tell nothing new
                 deadline = time.monotonic() + run.heartbeat_interval
                 while run.pos.step == step and time.monotonic() < deadline and not run.stopping:
                     await self.sleep_until(0.05, run.me.stop)
+            elif watch.free:
+                self.freed = True
+                self.changed.set()
+
+    def _hear(self, global_step: int, step_closed: bool) -> None:
+        """The tracker's word on the step, from a heartbeat's reply or the watch: kept unless it is older
+        than the word already kept (the other way's answer came first), and a ready call waiting for the
+        step's close goes out now."""
+        news = self.news
+        if news is None or (global_step, step_closed) >= (news.global_step, news.step_closed):
+            self.news = StepNews(global_step, step_closed)
+        on_close = self._on_close
+        if on_close is not None and step_closed and global_step == on_close[0]:
+            self.ask_ready(*on_close)
+        self.changed.set()
 
     # ------------------------------------------------------------------ groups
+
+    def ready_on_close(self, step: int, weight: int, ahead: Callable[[], int]) -> None:
+        """Make the ready call of ``step`` (``weight``; ``ahead``: see :meth:`ask_ready`) the moment its close
+        is heard, by the watch or a heartbeat, rather than when the training loop next looks (computing
+        ahead, it is in a micro-batch then); at once if the close was heard already."""
+        news = self.news
+        if news is not None and news.step_closed and news.global_step == step:
+            self.ask_ready(step, weight, ahead)
+        else:
+            self._on_close = (step, weight, ahead)
 
     def asked(self, step: int) -> bool:
         """Whether the ready call of ``step`` went out already."""
@@ -218,6 +257,7 @@ class TrackerLink:
     ) -> asyncio.Task[ReadyReply | None]:
         """The ready call of ``step`` (made now, or the one already made): the only place one starts.
         ``ahead``: each call says how many samples it computed for the next step by then."""
+        self._on_close = None
         if self._ready is not None:
             if self._ready[0] == step:
                 return self._ready[1]
@@ -227,6 +267,7 @@ class TrackerLink:
         return task
 
     def cancel_ready(self) -> None:
+        self._on_close = None
         if self._ready is not None:
             self._ready[1].cancel()
             self._ready = None
@@ -279,5 +320,5 @@ class TrackerLink:
             return Group("group", phases, reply.global_step)
         if reply.status == "open":
             # no reachable peer was ready: nothing was averaged; wait for a fresh view of the step
-            self.reply = None
+            self.news = None
         return Group(reply.status, [], reply.global_step)
