@@ -15,7 +15,7 @@ import pytest
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
 from tests.harness import TINY_GPT, Recorder, published_run, volunteers
-from tests.oracles import replay_reference
+from tests.oracles import assert_replayed, replay_reference
 
 STEPS = 20
 
@@ -85,7 +85,7 @@ async def test_three_volunteers_equal_a_single_process_replay_of_their_samples(t
     )
     assert all(s.compute_share is not None and 0 < s.compute_share <= 1 for s in summaries)
     for step, expected in enumerate(reference, start=1):
-        np.testing.assert_allclose(recs[0].params[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        assert_replayed(recs[0].params[step], expected, f"step {step}")
 
 
 @pytest.mark.slow
@@ -134,7 +134,7 @@ async def test_more_volunteers_than_a_group_step_on_one_mean_equal_to_a_replay(t
         "tiny-gpt", TINY_GPT, run.spec.optimizer, run.spec.schedule, per_step, by_volunteer=True
     )
     for step, expected in enumerate(reference, start=1):
-        np.testing.assert_allclose(recs[0].params[step], expected, rtol=0, atol=1e-5, err_msg=f"step {step}")
+        assert_replayed(recs[0].params[step], expected, f"step {step}")
 
 
 @pytest.mark.slow
