@@ -11,6 +11,8 @@ from hypothesis.extra import numpy as hnp
 
 from crowdtrain.protocol.codecs import (
     INT8_BLOCK,
+    SPARSE_CHUNK,
+    SPARSE_K,
     Codec,
     Compressor,
     ErrorFeedback,
@@ -176,7 +178,12 @@ def test_empty_and_zero_arrays(codec):
 def test_codec_accepts_any_shape_and_dtype_it_can_cast(codec):
     x = np.arange(24, dtype=np.float64).reshape(2, 3, 4) / 7
     y = Compressor().decode(Compressor().encode(x, codec), codec, x.size)
-    assert np.allclose(y, x.reshape(-1), rtol=1e-2, atol=24 / 7 / 127)
+    if codec is Codec.SPARSE:
+        # only the 8 largest go, at 2 bits: 23/7 exactly, the others within a third of it
+        assert np.flatnonzero(y).tolist() == list(range(16, 24)) and y[23] == np.float32(23 / 7)
+        assert np.allclose(y[16:], x.reshape(-1)[16:], atol=23 / 7 / 3)
+    else:
+        assert np.allclose(y, x.reshape(-1), rtol=1e-2, atol=24 / 7 / 127)
 
 
 @pytest.mark.parametrize("codec", list(Codec))
@@ -208,6 +215,120 @@ def test_error_feedback_running_sum_converges_to_the_inputs(codec):
     one_step = np.abs(x - untransform(transform(x, codec), codec, x.size)).max()
     assert gap <= 4 * one_step + 1e-7
     assert gap < np.abs(plain_sum - input_sum).max() or codec is Codec.FP16
+
+
+def _chunks(n: int):
+    for start in range(0, n, SPARSE_CHUNK):
+        yield slice(start, min(start + SPARSE_CHUNK, n))
+
+
+def _sparse_levels(scale: float) -> np.ndarray:
+    return np.array([-1.0, -1.0 / 3.0, 1.0 / 3.0, 1.0]) * scale
+
+
+@pytest.mark.parametrize("n", [1, 7, 255, 256, 257, 1000, 4096 + 3])
+def test_sparse_sends_each_chunks_largest_values_at_two_bits(n):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    raw = transform(x, Codec.SPARSE)
+    assert len(raw) == raw_size(Codec.SPARSE, n)
+    y = untransform(raw, Codec.SPARSE, n)
+    for chunk in _chunks(n):
+        mags = np.abs(x[chunk])
+        top = np.sort(np.argsort(-mags)[: min(SPARSE_K, mags.size)])
+        assert np.flatnonzero(y[chunk]).tolist() == top.tolist()
+        levels = _sparse_levels(float(mags.max()))
+        kept = x[chunk][top].astype(np.float64)
+        nearest = levels[np.abs(kept[:, None] - levels).argmin(axis=1)]
+        assert np.allclose(y[chunk][top], nearest, rtol=1e-6, atol=0)
+        assert np.abs(y[chunk][top] - kept).max() <= mags.max() / 3 * (1 + 1e-6)
+
+
+def test_sparse_payload_is_14_bytes_a_chunk():
+    # 4 (scale) + 8 (indices) + 2 (8 codes of 2 bits): 0.055 bytes a value; a short last chunk keeps fewer
+    assert [raw_size(Codec.SPARSE, n) for n in (0, 1, 4, 5, 8, 256, 257, 264, 100 * 256)] == [
+        0, 4 + 1 + 1, 4 + 4 + 1, 4 + 5 + 2, 4 + 8 + 2, 14, 14 + 6, 14 + 14, 1400,
+    ]  # fmt: skip
+
+
+@SETTINGS
+@given(x=arrays(finite32, st.integers(0, 3 * SPARSE_CHUNK + 17)))
+def test_sparse_keeps_at_most_k_of_the_largest_and_each_within_a_third_of_the_scale(x):
+    y = roundtrip(x, Codec.SPARSE)
+    assert np.isfinite(y).all()
+    for chunk in _chunks(x.size):
+        mags = np.abs(x[chunk].astype(np.float64))
+        k = min(SPARSE_K, mags.size)
+        sent = np.flatnonzero(y[chunk])
+        assert sent.size <= k
+        assert (mags[sent] >= np.sort(mags)[-k]).all()  # among the k largest (ties either way)
+        err = np.abs(y[chunk][sent] - x[chunk][sent].astype(np.float64))
+        assert (err <= mags.max() / 3 * (1 + 1e-6) + 1e-45).all()
+        assert np.abs(y[chunk]).max(initial=0.0) == mags.max()  # the largest goes exactly
+
+
+@SETTINGS
+@given(
+    x=arrays(finite32, st.integers(1, 3 * SPARSE_CHUNK + 5)),
+    bad=st.sampled_from([np.nan, np.inf, -np.inf]),
+    where=st.integers(min_value=0),
+)
+def test_sparse_chunk_with_nan_or_inf_decodes_as_all_nan_and_spares_the_others(x, bad, where):
+    x = x.copy()
+    pos = where % x.size
+    x[pos] = bad
+    y = roundtrip(x, Codec.SPARSE)
+    for chunk in _chunks(x.size):
+        if chunk.start <= pos < chunk.stop:
+            assert np.isnan(y[chunk]).all()
+        else:
+            assert np.isfinite(y[chunk]).all()
+
+
+def test_sparse_error_feedback_sends_every_value_in_time_and_loses_none():
+    """A constant input: each round sends 8 values a chunk, and what was sent plus what is still owed is
+    exactly every round's input; the owed values grow until they are among the largest, so all go."""
+    rng = np.random.default_rng(3)
+    n, rounds = 1000, 100
+    x = (rng.uniform(0.5, 1.0, n) * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+    ef = ErrorFeedback(Codec.SPARSE)
+    sent_sum = np.zeros(n, np.float64)
+    ever_sent = np.zeros(n, bool)
+    for _ in range(rounds):
+        raw, sent = ef.transform(x)
+        assert untransform(raw, Codec.SPARSE, n).tobytes() == sent.tobytes()
+        assert np.count_nonzero(sent) == 3 * SPARSE_K + min(SPARSE_K, n - 3 * SPARSE_CHUNK)
+        sent_sum += sent
+        ever_sent |= sent != 0
+    assert ef.residual is not None
+    assert np.allclose(sent_sum + ef.residual, rounds * x.astype(np.float64), rtol=0, atol=rounds * 1e-6)
+    assert ever_sent.all()
+    # what is owed stays about a chunk's input over the values it sends (256 × 0.75 / 8 = 24), however long
+    assert np.abs(ef.residual).max() < 2 * SPARSE_CHUNK / SPARSE_K
+
+
+@SETTINGS
+@given(n=st.integers(1, 3 * SPARSE_CHUNK + 7), data=st.data())
+def test_sparse_decodes_any_bytes_of_the_right_length_to_values(n, data):
+    size = raw_size(Codec.SPARSE, n)
+    raw = data.draw(st.binary(min_size=size, max_size=size))
+    y = untransform(raw, Codec.SPARSE, n)
+    assert y.dtype == np.float32 and y.shape == (n,)
+    for chunk in _chunks(n):
+        assert np.isnan(y[chunk]).all() or np.count_nonzero(y[chunk]) <= SPARSE_K
+    with pytest.raises(ProtocolError, match=f"but {n} values in codec sparse need {size}"):
+        untransform(raw[:-1], Codec.SPARSE, n)
+
+
+def test_sparse_picks_past_a_short_last_chunk_or_repeated_write_nothing_outside():
+    n = SPARSE_CHUNK + 3  # two chunks, the second keeps 3 values
+    raw = bytearray(transform(np.ones(n, np.float32), Codec.SPARSE))
+    assert len(raw) == 2 * 4 + SPARSE_K + 3 + 3
+    picks = np.frombuffer(raw, np.uint8, offset=8, count=SPARSE_K + 3)
+    picks[:SPARSE_K] = 5  # the first chunk names one value eight times
+    picks[SPARSE_K:] = [3, 200, 255]  # the short chunk names values past n
+    y = untransform(bytes(raw), Codec.SPARSE, n)
+    assert y.shape == (n,)
+    assert np.flatnonzero(y).tolist() == [5] and y[5] == 1.0  # the short chunk's values 200, 255 are dropped
 
 
 def _int8_reference(x: np.ndarray) -> bytes:
@@ -264,7 +385,7 @@ def test_error_feedback_drops_non_finite_residuals_and_starts_afresh_on_another_
 def test_codec_parse_and_level_are_validated():
     assert Codec.parse("INT8") is Codec.INT8
     with pytest.raises(
-        ConfigError, match="codec: unknown codec 'int4'; choose one of none, fp16, bf16, int8"
+        ConfigError, match=r"codec: unknown codec 'int4'; choose one of none, fp16, bf16, int8, sparse$"
     ):
         Codec.parse("int4")
     with pytest.raises(ConfigError, match="zstd_level"):
