@@ -521,6 +521,10 @@ class RunStatus(Message, frozen=True, kw_only=True):
     swarm_seeds: int = 0
     swarm_peers: int = 0
     evals: list[EvalRecord] = []  # the newest held-out evaluations, newest first (see EvalSpec)
+    # the run's averaging mode: inner steps per global step (1: every step averages a gradient; H > 1: local
+    # steps, a global step is an outer round of H inner steps per volunteer) and its codec
+    inner_steps: int = 1
+    codec: CodecName | None = None
 
 
 class ErrorBody(Message, frozen=True, kw_only=True):

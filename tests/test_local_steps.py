@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from crowdtrain.commands.status import format_status
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import ConfigError
@@ -71,6 +72,11 @@ async def test_three_volunteers_in_local_steps_equal_a_single_process_replay_of_
     # a round holds H × target samples (the tracker's target is the round's)
     round_samples = H * run.spec.target_batch_size
     assert status.target == round_samples
+    # `crowdtrain status` names the mode
+    assert (status.inner_steps, status.codec) == (H, "none")
+    assert f"mode          local steps: a global step is an outer round of {H} × the target" in format_status(
+        status
+    )
     assert status.recent_steps and all(
         round_samples <= r.samples <= 1.25 * round_samples for r in status.recent_steps
     ), [r.samples for r in status.recent_steps]

@@ -144,6 +144,7 @@ async def test_status_prints_progress_as_text_and_json(tracker, cli_env):
     assert f"run {run_id} (watched)" in text.stdout
     assert "samples       25 / 100 (25 %)" in text.stdout
     assert "peers online  1" in text.stdout
+    assert f"mode          every step averages a gradient, codec {status.codec}" in text.stdout
     assert v.peer_id in text.stdout
     missing = await cli(cli_env, "status", "nope", "--tracker", tracker.url)
     assert missing.returncode == 1

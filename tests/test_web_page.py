@@ -100,7 +100,7 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 )
                 # one point a closed step (each has its peers' loss), at least as many as had closed
                 assert points(first, "loss-line") >= step, field(first, "loss-label")
-                assert "codec none" in first and field(first, "group-size") == "4"
+                assert "every step · codec none" in first and field(first, "group-size") == "4"
                 await until(lambda: min(v.step for v in vols) >= shown + 3, 120, "three more steps")
                 second = await browse(url, tmp_path / "profile", "--dump-dom")
                 assert int(field(second, "step")) > shown

@@ -126,7 +126,10 @@ async function get(path) {
 async function spec() {
   try {
     const s = await get("");
-    text("codec", "codec " + s.averaging.codec); text("group-size", String(s.averaging.group_size));
+    const h = s.averaging.inner_steps || 1;
+    text("codec", (h > 1 ? "local steps: a global step is an outer round of " + h + " × the target batch" :
+                   "every step") + " · codec " + s.averaging.codec);
+    text("group-size", String(s.averaging.group_size));
   } catch (e) { text("codec", "spec unavailable"); }
 }
 async function refresh() {

@@ -79,6 +79,8 @@ class Run:
             swarm_seeds=swarm.seeders if swarm else 0,
             swarm_peers=len(swarm.peers) if swarm else 0,
             evals=state.store.evals(state.run_id),
+            inner_steps=state.spec.averaging.inner_steps,
+            codec=state.spec.averaging.codec,
         )
 
     def history(self, limit: int) -> StepHistory:

@@ -27,9 +27,18 @@ def _bt(p) -> str:
     return {True: "reachable", False: "closed", None: "-"}[p.bt_reachable]
 
 
+def mode(status) -> str:  # status: RunStatus
+    """The run's averaging mode in a few words: every step, or local steps (a global step is an outer round)."""
+    codec = f", codec {status.codec}" if status.codec else ""
+    if status.inner_steps > 1:
+        return f"local steps: a global step is an outer round of {status.inner_steps} × the target, in inner steps{codec}"
+    return f"every step averages a gradient{codec}"
+
+
 def format_status(status) -> str:  # status: RunStatus
     lines = [
         f"run {status.run_id} ({printable(status.name)})",
+        f"  mode          {mode(status)}",
         f"  global step   {status.global_step}",
         f"  samples       {status.samples:,} / {status.target:,} ({100 * status.samples / max(status.target, 1):.0f} %)",
         f"  eta           {fmt_eta(status.eta_s, status.samples_per_s)}",
