@@ -92,6 +92,12 @@ class Codec(enum.IntEnum):
     def lossy(self) -> bool:
         return self is not Codec.NONE
 
+    @property
+    def withholds(self) -> bool:
+        """Whether its error-feedback residual holds back most of a vector for rounds (sparse sends 8 values
+        of 256), not just a quantisation error: such a residual must outlive a part changing owners."""
+        return self is Codec.SPARSE
+
 
 def raw_size(codec: Codec, n: int) -> int:
     """Bytes of the value-transformed (pre-zstd) payload for ``n`` float32 values."""

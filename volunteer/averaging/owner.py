@@ -61,8 +61,11 @@ class _Refused(Exception):
 class Owner:
     """The rounds this peer takes part in, and the route that receives, reduces and answers its part of each.
 
-    It keeps, per tag, the error-feedback residual of the answers it encodes with a lossy codec (over the
-    part it owns, with its bounds: a part that moves starts afresh), and the buffers that received the
+    It keeps, per tag, the error-feedback residual of the answers it encodes with a lossy codec: over the
+    part it owns, with its bounds (a part that moves starts afresh: an int8 residual is under half a
+    quantisation step), or, for a codec that withholds most values for rounds (sparse), over the whole
+    vector, so what it held back of a part reaches the group the next time it owns those values, whoever
+    owned them in between; and the buffers that received the
     copies of its part in earlier rounds, reused next round: a fresh one costs page faults and zeroing (~15 %
     of a round's CPU for 10M values in a group of 4). A buffer serves any part as long or shorter, so a group
     that grows (shorter parts) allocates nothing.
@@ -79,6 +82,7 @@ class Owner:
         self.rounds: dict[str, Round] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._registered: asyncio.Condition | None = None
+        # tag -> (the values it spans, their residual)
         self._down_residuals: dict[str, tuple[tuple[int, int], Residual]] = {}
         self._spare: list[np.ndarray] = []
 
@@ -109,10 +113,12 @@ class Owner:
     def prepare(self, rnd: Round, vector: np.ndarray, weight: float) -> None:
         """Set up my part of ``rnd``: its residual, its reducer, and my own copy already in it."""
         start, stop = rnd.bounds[rnd.my_part]
-        if self.config.codec.lossy:
+        codec = self.config.codec
+        if codec.lossy:
+            span = (0, vector.size) if codec.withholds else (start, stop)
             down = self._down_residuals.get(rnd.tag)
-            if down is None or down[0] != (start, stop):
-                self._down_residuals[rnd.tag] = ((start, stop), Residual.zeros(stop - start))
+            if down is None or down[0] != span:
+                self._down_residuals[rnd.tag] = (span, Residual.zeros(span[1] - span[0]))
         if stop == start:  # an empty part needs no owner
             return
         rnd.reducer = PartReducer(
@@ -171,8 +177,11 @@ class Owner:
             out[a:b] = reduced
         else:
             PartReducer.reduce_slice(terms, a, b, out[a:b])
-        kept = self._down_residuals.get(rnd.tag)
-        res = kept[1][a:b] if kept is not None and kept[0] == rnd.bounds[rnd.my_part] else None
+        kept, (start, stop) = self._down_residuals.get(rnd.tag), rnd.bounds[rnd.my_part]
+        res = None
+        if kept is not None and kept[0][0] <= start and stop <= kept[0][1]:  # (it spans my part)
+            at = start - kept[0][0]
+            res = kept[1][at + a : at + b]
         header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
         if self.config.codec.lossy:
             out[a:b] = sent
