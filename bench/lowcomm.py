@@ -61,7 +61,11 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2_000_000, help="token budget per configuration")
     ap.add_argument("--quick", action="store_true", help="a budget of 200k tokens")
-    ap.add_argument("--configs", default="1:int8,10:int8,30:int8,10:none", help="H:codec, comma-separated")
+    ap.add_argument(
+        "--configs",
+        default="1:int8,10:int8,30:int8,10:none,10:sparse,30:sparse",
+        help="H:codec or H:codec:outer_lr:outer_momentum, comma-separated (default outer step: 0.7, 0.9)",
+    )
     ap.add_argument("--volunteers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -76,11 +80,19 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.tokens = 200_000
     args.threads = args.threads or max(1, cores() // args.volunteers)
-    args.configs = [(int(h), codec) for h, codec in (c.split(":") for c in args.configs.split(","))]
+    args.configs = [config(c) for c in args.configs.split(",")]
     return args
 
 
-async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args) -> Any:
+def config(text: str) -> tuple[int, str, tuple[float, float] | None]:
+    """``H:codec`` or ``H:codec:outer_lr:outer_momentum`` → (H, codec, outer step or None: the defaults)."""
+    h, codec, *outer = text.split(":")
+    if outer and len(outer) != 2:
+        raise SystemExit(f"--configs: {text!r} is not H:codec or H:codec:outer_lr:outer_momentum")
+    return int(h), codec, (float(outer[0]), float(outer[1])) if outer else None
+
+
+async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args, outer=None) -> Any:
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.publisher import build_run_create
 
@@ -88,6 +100,8 @@ async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args)
                                  "step_timeout_s": STEP_TIMEOUT_S}  # fmt: skip
     if h > 1:
         averaging["inner_batch_size"] = INNER_BATCH
+    if outer is not None:
+        averaging["outer_lr"], averaging["outer_momentum"] = outer
     create = await asyncio.to_thread(
         build_run_create, data, name=f"lowcomm H={h} {codec}", model={"recipe": "tiny-gpt", "args": margs},
         target_batch_size=TARGET, micro_batch_size=MICRO, optimizer={"name": "adamw", "lr": 1e-3},
@@ -155,10 +169,13 @@ async def step_history(url: str, run_id: str) -> dict[int, Any]:
     return {s.step: s for s in history.steps}
 
 
-async def one_run(tracker, data: Path, h: int, codec: str, margs: dict, args, workdir: Path) -> dict:
+async def one_run(
+    tracker, data: Path, h: int, codec: str, margs: dict, args, workdir: Path, outer=None
+) -> dict:
     steps = math.ceil(args.tokens / (TARGET * margs["seq_len"] * h))
-    spec = await create_run(tracker, data, h, codec, margs, args)
-    workdir = workdir / f"h{h}-{codec}"
+    spec = await create_run(tracker, data, h, codec, margs, args, outer)
+    workdir = workdir / (f"h{h}-{codec}" + (f"-{outer[0]}-{outer[1]}" if outer else ""))
+    codec = codec if outer is None else f"{codec}, outer {outer[0]:g}/{outer[1]:g}"  # (the row's label)
     procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
     opts = argparse.Namespace(steps=steps, threads=args.threads, device=args.device)
     print(f"H = {h}, codec {codec}: {steps} steps of {h} × {TARGET} samples ...", flush=True)
@@ -308,8 +325,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="crowdtrain-lowcomm-") as tmp:
         async with seeded_corpus(Path(tmp)) as (tracker, data, manifest):
             args.batch = heldout_batch(manifest, data, args.seq_len, args.heldout)
-            for h, codec in args.configs:
-                row = await one_run(tracker, data, h, codec, margs, args, Path(tmp))
+            for h, codec, outer in args.configs:
+                row = await one_run(tracker, data, h, codec, margs, args, Path(tmp), outer)
                 if not rows:
                     initial = await asyncio.to_thread(heldout_loss, row["spec"], None, args.batch)
                     print(f"held-out loss of the initial parameters: {initial:.3f}", flush=True)

@@ -166,7 +166,7 @@ async def main() -> None:
     )
     ap.add_argument("--target", type=int, default=16)
     ap.add_argument("--micro", type=int, default=4)
-    ap.add_argument("--codec", default="int8", choices=("none", "fp16", "bf16", "int8", "sparse"))
+    ap.add_argument("--codec", default="int8", choices=("none", "fp16", "bf16", "int8", "int2", "sparse"))
     ap.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads per volunteer; default cores / 3")
     ap.add_argument("--timeout", type=float, default=1200.0)

@@ -337,7 +337,7 @@ async def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help=f"global steps per run (the first {SKIP} skipped)")
     ap.add_argument("--target", type=int, default=32, help="target batch size (samples per global step)")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch size")
-    ap.add_argument("--codec", default="int8", choices=("none", "fp16", "bf16", "int8", "sparse"))
+    ap.add_argument("--codec", default="int8", choices=("none", "fp16", "bf16", "int8", "int2", "sparse"))
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--average-state-every", type=int, default=0, help="parameter averaging; 0: never")
     ap.add_argument("--delays", default="0,1", help="comma-separated averaging.delay values, one run each")

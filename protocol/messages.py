@@ -38,7 +38,7 @@ Version = Literal[1]
 # with XXH3-64 checksums and stored bodies (a build without ``peer_protocol`` in its JoinRequest speaks 1).
 # 3: a step's all-reduce runs in phases, so every group ends with the one mean of all (GroupAssignment.phase).
 PEER_PROTOCOL = 3
-CodecName = Literal["none", "fp16", "bf16", "int8", "sparse"]
+CodecName = Literal["none", "fp16", "bf16", "int8", "sparse", "int2"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly

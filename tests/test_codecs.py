@@ -182,6 +182,11 @@ def test_codec_accepts_any_shape_and_dtype_it_can_cast(codec):
         # only the 8 largest go, at 2 bits: 23/7 exactly, the others within a third of it
         assert np.flatnonzero(y).tolist() == list(range(16, 24)) and y[23] == np.float32(23 / 7)
         assert np.allclose(y[16:], x.reshape(-1)[16:], atol=23 / 7 / 3)
+    elif codec is Codec.INT2:
+        # each value to the nearest of ±0.5 and ±1.5 times the block's RMS: within half an RMS, or clipped
+        flat = x.reshape(-1)
+        rms = np.sqrt(np.mean(flat**2))
+        assert np.all(np.abs(y - flat) <= 0.5 * rms + np.maximum(0, np.abs(flat) - 1.5 * rms) + 1e-6)
     else:
         assert np.allclose(y, x.reshape(-1), rtol=1e-2, atol=24 / 7 / 127)
 
@@ -385,7 +390,7 @@ def test_error_feedback_drops_non_finite_residuals_and_starts_afresh_on_another_
 def test_codec_parse_and_level_are_validated():
     assert Codec.parse("INT8") is Codec.INT8
     with pytest.raises(
-        ConfigError, match=r"codec: unknown codec 'int4'; choose one of none, fp16, bf16, int8, sparse$"
+        ConfigError, match=r"codec: unknown codec 'int4'; choose one of none, fp16, bf16, int8, sparse, int2$"
     ):
         Codec.parse("int4")
     with pytest.raises(ConfigError, match="zstd_level"):
@@ -411,3 +416,52 @@ def test_encoding_leaves_the_input_untouched_and_takes_read_only_arrays(codec):
     Compressor().encode(x, codec)
     ErrorFeedback(codec).transform(x)
     assert np.array_equal(x, before)
+
+
+def test_int2_is_two_bits_a_value_at_the_rms_levels_and_a_broken_block_is_nan():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(1000).astype(np.float32)
+    raw = transform(x, Codec.INT2)
+    assert (
+        len(raw) == raw_size(Codec.INT2, 1000) == 4 * 4 + 250
+    )  # 4 blocks of 256 (the last short): 2 bits a value
+    y = untransform(raw, Codec.INT2, 1000)
+    for b in range(4):
+        block = slice(256 * b, min(256 * (b + 1), 1000))
+        rms = np.sqrt(np.mean(x[block].astype(np.float64) ** 2))
+        # every value decodes to one of the four levels, the nearest one (its error at most half a step)
+        assert np.allclose(
+            np.unique(np.abs(y[block])), [0.5 * rms, 1.5 * rms][: np.unique(np.abs(y[block])).size]
+        )
+        assert np.all(
+            np.abs(y[block] - x[block]) <= 0.5 * rms + np.maximum(0, np.abs(x[block]) - 1.5 * rms) + 1e-5
+        )
+    x[300] = np.inf
+    y = untransform(transform(x, Codec.INT2), Codec.INT2, 1000)
+    assert np.isnan(y[256:512]).all() and np.isfinite(y[:256]).all() and np.isfinite(y[512:]).all()
+
+
+def test_int2_error_feedback_delivers_the_running_sum():
+    """Over R rounds of the same vector, what was sent plus what is held back is R times the vector, and the
+    mean of what was sent approaches it (the quantisation error is carried, not lost)."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(4096).astype(np.float32)
+    ef = ErrorFeedback(Codec.INT2)
+    sent_sum = np.zeros_like(x, dtype=np.float64)
+    rounds = 50
+    for _ in range(rounds):
+        raw, sent = ef.transform(x)
+        np.testing.assert_array_equal(untransform(raw, Codec.INT2, x.size), sent)
+        sent_sum += sent
+    assert np.allclose(sent_sum + ef.residual, rounds * x.astype(np.float64), atol=1e-3)
+    once = np.abs(untransform(transform(x, Codec.INT2), Codec.INT2, x.size) - x).mean()
+    assert np.abs(sent_sum / rounds - x).mean() < once / 10
+
+
+def test_hostile_int2_payloads_decode_to_values_or_nan_and_a_wrong_length_is_refused():
+    rng = np.random.default_rng(13)
+    for n in (1, 255, 257, 5000):
+        raw = rng.integers(0, 256, raw_size(Codec.INT2, n), dtype=np.uint8).tobytes()
+        assert untransform(raw, Codec.INT2, n).shape == (n,)
+        with pytest.raises(ProtocolError):
+            untransform(raw[:-1], Codec.INT2, n)

@@ -78,7 +78,9 @@ def demo(
     volunteers: int = typer.Option(3, "--volunteers", min=1, max=8, help="Volunteer processes to start."),
     steps: int = typer.Option(30, "--steps", min=1, help="Global steps to train before stopping."),
     model: str = typer.Option("tiny-gpt", "--model", help="Model recipe (tiny-gpt on the built-in corpus)."),
-    codec: str = typer.Option("int8", "--codec", help="Gradient codec: none, fp16, bf16, int8 or sparse."),
+    codec: str = typer.Option(
+        "int8", "--codec", help="Gradient codec: none, fp16, bf16, int8, int2 or sparse."
+    ),
     late: bool = typer.Option(
         True, "--late/--no-late", help="Start the last volunteer late, to show catch-up."
     ),
@@ -87,8 +89,8 @@ def demo(
     """Run a tracker, a seeder and N volunteers on this machine, show them train, and print a summary."""
     if model != "tiny-gpt":
         raise ConfigError("--model", "the demo's built-in corpus is text; only tiny-gpt is offered")
-    if codec not in ("none", "fp16", "bf16", "int8", "sparse"):
-        raise ConfigError("--codec", f"{codec!r} is not one of none, fp16, bf16, int8, sparse")
+    if codec not in ("none", "fp16", "bf16", "int8", "int2", "sparse"):
+        raise ConfigError("--codec", f"{codec!r} is not one of none, fp16, bf16, int8, int2, sparse")
     run_async(_demo(volunteers, steps, codec, late and volunteers > 1, plain or not sys.stdout.isatty()))
 
 
