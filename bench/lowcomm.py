@@ -13,6 +13,7 @@ H × 256 samples) and ``[eval] holdout_chunks = 1``: the last chunk is never tra
     .venv/bin/python bench/lowcomm.py --quick                        # ~200k tokens: a quick look
     .venv/bin/python bench/lowcomm.py --tokens 1966080 --markdown     # 4 × 30 × 256 × 64: equal for every row
     .venv/bin/python bench/lowcomm.py --tokens 1000000 --configs 1:int8,10:int8
+    .venv/bin/python bench/lowcomm.py --configs 1:int8,10:sparse:1.0:0.0        # H:codec:outer_lr:outer_momentum
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,

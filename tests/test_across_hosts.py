@@ -143,7 +143,15 @@ class Cli:
 class Published:
     """Tracker and seeder up, a run created: what the README's publisher walk-through does."""
 
-    def __init__(self, net: Network, tmp: Path, *, seed_with_token: bool = True, averaging: str = "") -> None:
+    def __init__(
+        self,
+        net: Network,
+        tmp: Path,
+        *,
+        seed_with_token: bool = True,
+        averaging: str = "",
+        run_toml: str = RUN_TOML,
+    ) -> None:
         tracker_host, seeder_host = net.hosts["tracker"], net.hosts["seeder"]
         self.tracker = Cli(
             tracker_host, tmp / "tracker", "tracker", "serve", "--host", "0.0.0.0", "--port", str(PORT)
@@ -154,9 +162,9 @@ class Published:
         self.token = self.tracker.line_matching(r"admin token: (\S+)").group(1)
         self.home = tmp / "seeder"
         self.home.mkdir()
-        # the README's run file, with ``averaging`` lines taken in (e.g. its "# delay = 1"; the last table is
-        # [averaging])
-        (self.home / "run.toml").write_text(RUN_TOML + averaging)
+        # the README's run file (or ``run_toml``), with ``averaging`` lines taken in (e.g. its "# delay = 1";
+        # the last table is [averaging])
+        (self.home / "run.toml").write_text(run_toml + averaging)
         made = Cli(
             seeder_host, self.home, "dataset", "make", "builtin:stdlib", "--out", "data",
             "--tracker", self.url, "--chunk-size", "64KiB", "--max-bytes", "768KiB",
