@@ -98,10 +98,11 @@ async def start_volunteer(p: Proc, url: str, run_id: str, workdir: Path, args: a
 
 @contextlib.asynccontextmanager
 async def published(
-    workdir: Path, name: str, margs: dict[str, int], args: argparse.Namespace, averaging: dict
+    workdir: Path, name: str, margs: dict[str, int], args: argparse.Namespace, averaging: dict, **tracker: Any
 ):
-    """A tracker in this process, the built-in corpus cut and seeded, and a run of tiny-gpt ``margs`` on it
-    (AdamW at 1e-3, constant rate, ``args.target`` / ``args.micro``, ``averaging``): yields (tracker, spec)."""
+    """A tracker in this process (``TrackerConfig`` fields ``tracker``), the built-in corpus cut and seeded, and
+    a run of tiny-gpt ``margs`` on it (AdamW at 1e-3, constant rate, ``args.target`` / ``args.micro``,
+    ``averaging``): yields (tracker, spec)."""
     from crowdtrain.datasets.make import make_dataset
     from crowdtrain.datasets.session import SessionConfig, TorrentSession
     from crowdtrain.protocol.client import TrackerClient
@@ -109,7 +110,7 @@ async def published(
     from crowdtrain.tracker.config import TrackerConfig
     from crowdtrain.tracker.server import serve
 
-    async with serve(TrackerConfig(db=":memory:")) as tracker:
+    async with serve(TrackerConfig(**{"db": ":memory:", **tracker})) as tracker:
         data = workdir / "data"
         manifest = await asyncio.to_thread(
             make_dataset, "builtin:stdlib", data, chunk_bytes=64 * KiB, name=name.split()[0],

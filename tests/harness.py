@@ -81,7 +81,7 @@ async def published_run(
     eval: dict[str, Any] | None = None,
     schedule: dict[str, Any] | None = None,
 ) -> AsyncIterator[Published]:
-    config = TrackerConfig(db=db, heartbeat_interval_s=0.2, peer_ttl_s=10.0, **(tracker or {}))
+    config = TrackerConfig(**{"db": db, "heartbeat_interval_s": 0.2, "peer_ttl_s": 10.0, **(tracker or {})})
     async with serve(config) as running:
         data = tmp_path / "dataset"
         manifest = await asyncio.to_thread(

@@ -293,6 +293,38 @@ async def test_step_watch_answers_when_samples_of_the_open_step_are_freed_so_a_p
     assert (await client.watch_step(run_id, 0, wait_s=0.2)).free is None
 
 
+@pytest.mark.tracker_config(heartbeat_interval_s=0.2, peer_ttl_s=30.0)
+async def test_a_straggler_silent_while_it_owes_samples_loses_them_to_the_others_and_the_step_closes(client):
+    """Issue 27: b owes most of its allotment and falls silent (a laptop asleep). Once it has said nothing for
+    the straggler limit (1.5 intervals, at least 2 s) what it owes is freed (the watch says so), a and c are
+    allotted it, and the step closes on their samples without waiting for b to expire. b keeps what it had
+    reported; when it speaks again it is allotted like any peer."""
+    run_id = await new_run(client, target=120, gather_s=0.5)
+    a, b, c = await joined(client, run_id, 3)
+    for v in (a, b, c):
+        await v.heartbeat(0, 0, samples_per_s=10.0)
+    assert (await b.heartbeat(0, 8, samples_per_s=10.0)).allotment == 40  # b owes 32
+    for v in (a, c):
+        assert (await v.heartbeat(0, 40, samples_per_s=10.0)).allotment == 40  # at their shares
+    watch = asyncio.create_task(client.watch_step(run_id, 0, wait_s=20))
+    started = asyncio.get_running_loop().time()
+    while not watch.done():  # a and c keep heartbeating, b says nothing
+        await asyncio.sleep(0.2)
+        for v in (a, c):
+            await v.heartbeat(0, 40, samples_per_s=10.0)
+        assert asyncio.get_running_loop().time() - started < 10, "b's samples were never freed"
+    answer = watch.result()
+    assert (answer.step_closed, answer.free) == (False, 32)
+    assert asyncio.get_running_loop().time() - started >= 1.5  # (not before it was silent that long)
+    more = [await v.heartbeat(0, 40, samples_per_s=10.0) for v in (a, c)]
+    assert sum(r.allotment - 40 for r in more) == 32, [r.allotment for r in more]
+    for v, r in zip((a, c), more, strict=True):
+        reply = await v.heartbeat(0, r.allotment, samples_per_s=10.0)
+    assert reply.step_closed  # 8 (b's) + 112 = the target
+    status = await client.status(run_id)
+    assert status.peers_online == 3  # b is a straggler, not gone
+
+
 async def test_a_run_with_no_reachable_peer_closes_no_step_and_says_why(client):
     run_id = await new_run(client, target=20, gather_s=0.2)
     a, b = await joined(client, run_id, 2, reachable=False)  # both in client mode

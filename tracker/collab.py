@@ -30,6 +30,14 @@ The rules volunteers rely on:
 * If no ready peer owns a part when the round is formed (the reachable ones left or were not ready),
   nothing is formed: the step opens again, its ready callers get ``open`` and go on accumulating, and the
   global step does not advance.
+* **A straggler never holds a step** (issue 27): a peer at the open step that still owes samples of its
+  allotment and has said nothing for the tracker's ``straggler_intervals`` heartbeat intervals (1.5), at least
+  ``STRAGGLE_FLOOR_S`` (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
+  every interval whatever it does) loses what it has not computed: it keeps the samples it reported, counts as
+  computing nothing, and the rest is freed at once for the others (the step watches answer). At the close its
+  ready call is gathered like anyone's (``gather_s``): a volunteer whose heartbeats were only late (an uplink
+  full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
+  missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
 * Peers silent for ``peer_ttl_s`` expire.
 * Who may serve the run's state, and which state newcomers fetch, is :mod:`crowdtrain.tracker.donors`'s:
   a peer vouches for the state of step N only if it took part in step N - 1 (or the state's hash was
@@ -71,6 +79,10 @@ from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.store import RunStore
 
 log = logging.getLogger("crowdtrain.tracker")
+# a peer at the open step that owes samples and said nothing for TrackerConfig.straggler_intervals heartbeat
+# intervals, and at least this long (a volunteer's event loop may lag behind its interval on a loaded machine),
+# is a straggler
+STRAGGLE_FLOOR_S = 2.0
 
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -228,6 +240,32 @@ class RunState:
             return False
         self.maybe_form(time.time())
         return True
+
+    def revoke_stragglers(self, silent_s: float) -> list[str]:
+        """Free the unfinished allotments of peers at the open step that have said nothing for ``silent_s``
+        (the module docstring's rule); returns their ids."""
+        if self.closed_at is not None or self.closed is not None:
+            return []
+        before = time.monotonic() - silent_s
+        stragglers = [p for p in self.peers.values() if p.last_seen < before]
+        revoked = []
+        for peer in stragglers:
+            free = self.ledger.free
+            owed = self.ledger.revoke(peer.peer_id)
+            if owed:
+                revoked.append(peer.peer_id)
+                log.info(
+                    "run %s: peer %s silent for %.1f s owes %d samples of step %d: they are freed for the others",
+                    self.run_id,
+                    peer.peer_id,
+                    time.monotonic() - peer.last_seen,
+                    owed,
+                    self.global_step,
+                )
+                self._freed(free)
+        if revoked:
+            self.maybe_close(time.time())
+        return revoked
 
     def expire(self, ttl_s: float) -> int:
         before = time.monotonic() - ttl_s
@@ -443,7 +481,7 @@ class RunState:
         reply = await self.wait_ready(peer.peer_id, step, weight, long_poll_s, ahead)
         if self.peers.get(peer.peer_id) is peer:
             peer.last_seen = time.monotonic()
-        return reply
+            return reply
 
     async def wait_ready(
         self, peer_id: str, step: int, weight: int, long_poll_s: float, ahead: int = 0

@@ -30,6 +30,9 @@ class TrackerConfig:
     admin_token: str | None = field(default=None, repr=False)
     peer_ttl_s: float = 30.0  # a volunteer silent this long is dropped
     heartbeat_interval_s: float = 2.0  # what volunteers are told to use
+    # a peer at the open step that owes samples and was silent this many heartbeat intervals (at least 2 s)
+    # loses what it owes to the others (tracker/collab.py: stragglers); 0: it is waited for until it expires
+    straggler_intervals: float = 1.5
     announce_interval_s: int = 30  # BitTorrent ``interval``
     min_announce_interval_s: int = 5  # BitTorrent ``min interval``
     long_poll_s: float = 20.0  # longest a ``ready`` call is held
@@ -67,10 +70,7 @@ class TrackerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, "must be a positive number of seconds")
-        if self.heartbeat_interval_s * 2 > self.peer_ttl_s:
-            raise ConfigError(
-                "peer_ttl_s", "must be at least twice heartbeat_interval_s, or live peers would expire"
-            )
+        self._check_silences()
         if self.long_poll_s > 120:
             raise ConfigError("long_poll_s", "must be at most 120 seconds")
         if self.min_announce_interval_s < 1 or self.announce_interval_s < self.min_announce_interval_s:
@@ -92,6 +92,15 @@ class TrackerConfig:
             raise ConfigError("join_rate_per_s", "must be 0 (unlimited) or a positive rate")
         if not (math.isfinite(self.announce_rate_per_s) and self.announce_rate_per_s >= 0):
             raise ConfigError("announce_rate_per_s", "must be 0 (unlimited) or a positive rate")
+
+    def _check_silences(self) -> None:
+        """How long a peer may be silent: as a straggler (it loses what it owes), then at all (it expires)."""
+        if not (self.straggler_intervals == 0 or 1 <= self.straggler_intervals < math.inf):
+            raise ConfigError("straggler_intervals", "must be 0 (never) or a finite number of intervals ≥ 1")
+        if self.heartbeat_interval_s * 2 > self.peer_ttl_s:
+            raise ConfigError(
+                "peer_ttl_s", "must be at least twice heartbeat_interval_s, or live peers would expire"
+            )
 
     @property
     def swarm_ttl_s(self) -> float:

@@ -182,6 +182,20 @@ class Ledger:
     def share(self, peer_id: str) -> Share | None:
         return self._shares.get(peer_id)
 
+    def revoke(self, peer_id: str) -> int:
+        """A straggler (silent while it owes samples of the open step) loses the part of its allotment it
+        has not computed: it keeps what it holds, counts as computing nothing and at no rate until it
+        reports again, and the rest is free for the others. Returns the samples freed (0: it owed none)."""
+        share = self._shares[peer_id]
+        owed = share.allotted - share.samples
+        if share.step != self.step or not share.computing or owed <= 0:
+            return 0
+        with self._changing(share):
+            share.allotted = share.samples
+            share.computing = False
+            share.samples_per_s = 0.0
+        return owed
+
     def recount(self) -> Tally:
         """The tally summed afresh over every share (what the kept one must equal)."""
         tally = Tally()

@@ -145,6 +145,7 @@ class Training:
                 tg.create_task(self.link.heartbeats())
                 watch = tg.create_task(self.link.watch())
                 tg.create_task(self.data.stats())
+                tg.create_task(run.me.sleeps.watch(run.me.stop))
                 await tg.create_task(self.train())
                 run.me.stop.set()
                 watch.cancel()  # its long-poll would hold the exit for up to WATCH_S

@@ -23,7 +23,7 @@ from crowdtrain import __version__
 from crowdtrain.datasets.session import SessionConfig, TorrentSession, listen_address
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey
-from crowdtrain.protocol.errors import CrowdtrainError, RecipeError
+from crowdtrain.protocol.errors import CrowdtrainError, RecipeError, TrackerUnreachable
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
     Credential,
@@ -44,6 +44,7 @@ from crowdtrain.volunteer.models.origin import check_origin
 from crowdtrain.volunteer.models.recipe import Recipe
 from crowdtrain.volunteer.peer_server import PeerServer
 from crowdtrain.volunteer.state.serve import StateServer
+from crowdtrain.volunteer.suspend import Sleeps
 from crowdtrain.volunteer.trainer import Trainer, resolve_device
 
 LEAVE_TIMEOUT_S = 3.0
@@ -86,6 +87,7 @@ class Volunteering:
     emit: ev.Emit
     record: ev.Record | None
     kept: StateVersion | None = None  # the state it kept on leaving, told to the tracker with the leave
+    sleeps: Sleeps = field(default_factory=Sleeps)  # when this process was last asleep (suspend.py)
 
     def emit_averaging(self, event: ev.Event) -> None:
         """The averager's ``emit``: its rounds' bytes count in the summary, then the event goes out."""
@@ -169,6 +171,19 @@ class JoinedRun:
         """A line for the user: the view shows it (log panel, plain or JSON line); no second copy in logging."""
         text = message % args if args else message
         self.emit(ev.LogLine(level=logging.getLevelName(level), message=text))
+
+    def note_tracker_failure(self, message: str, exc: CrowdtrainError, *args: object) -> None:
+        """A request to the tracker failed: a warning, unless it timed out because this process had just been
+        asleep (a laptop's lid, SIGSTOP): then a note that says so, since the tracker is not to blame."""
+        slept = (
+            self.me.sleeps.recent(self.tracker.timeout_s + 1.0)
+            if isinstance(exc, TrackerUnreachable)
+            else None
+        )
+        if slept is None:
+            self.note(logging.WARNING, message, *args)
+        else:
+            self.note(logging.INFO, message + "; this volunteer had been asleep for %.0f s", *args, slept)
 
     def announce(self) -> None:
         """Tell the view this volunteer joined the run."""

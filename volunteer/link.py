@@ -128,10 +128,8 @@ class TrackerLink:
                     return
                 failures += 1
                 if failures in (1, 10) or failures % 60 == 0:
-                    run.note(
-                        logging.WARNING,
-                        "heartbeat failed (%s); training goes on and will report when it is back",
-                        exc,
+                    run.note_tracker_failure(
+                        "heartbeat failed (%s); training goes on and will report when it is back", exc, exc
                     )
             await self.sleep_until(self._next_heartbeat_s(), self._now)
             self._now.clear()
@@ -291,7 +289,7 @@ class TrackerLink:
                     run.summary.ended = str(exc)
                     run.me.stop.set()
                     return None
-                run.note(logging.WARNING, "could not ask the tracker for a group (%s); training on", exc)
+                run.note_tracker_failure("could not ask the tracker for a group (%s); training on", exc, exc)
                 return None
             if reply.status in ("group", "missed", "open"):
                 return reply

@@ -146,7 +146,7 @@ class Snapshotter:
                 run.credential,
             )
         except TrackerError as exc:
-            run.note(logging.WARNING, "could not declare state version %d to the tracker (%s)", step, exc)
+            run.note_tracker_failure("could not declare state version %d to the tracker (%s)", exc, step, exc)
 
     # ------------------------------------------------------------------ the state kept between joins
 

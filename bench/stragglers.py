@@ -1,0 +1,229 @@
+"""Stragglers (issue 27): steps per minute with volunteers that stall, under the tracker's straggler rule and
+without it (``TrackerConfig.straggler_intervals = 0``: a volunteer's allotment is waited for until it
+expires), side by side in one run of this script.
+
+One tracker, the built-in corpus and a seeder in this process; ``--volunteers`` ``crowdtrain join --json``
+processes (tiny-gpt, target ``--target``, micro-batch ``--micro``) on loopback. Stalls are made from outside,
+with signals, as a user's machine makes them:
+- ``none``: nobody stalls (the reference);
+- ``frozen``: volunteer 1 is stopped (SIGSTOP) for ``--freeze`` seconds once the run is at step 3, then woken;
+- ``heavy-tail``: every volunteer, every ``--tick`` seconds, with probability ``--p``, is stopped for 9 ticks
+  (a micro-batch that takes 10× as long: another program took the machine);
+- ``slow``: volunteer 1 computes at a third of its speed (stopped two thirds of every 30 ms).
+
+Each run lasts ``--seconds`` of wall time from the run's first step. Measured from the tracker's step history
+and the volunteers' events: steps per minute (first to last step closed in the window), that ÷ the
+``none`` run's under the same rule, the longest step of a volunteer that did not stall, and samples
+dropped (Σ ``StepMissed.dropped_samples``: work computed on parameters the run had left).
+
+    .venv/bin/python bench/stragglers.py --markdown
+    .venv/bin/python bench/stragglers.py --scenarios none,frozen --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# (run as a script, bench/ is on sys.path: the process plumbing is bench/utilization.py's)
+from utilization import Proc, cores, published, start_volunteer, stop_all
+
+SCENARIOS = ("none", "frozen", "heavy-tail", "slow")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--rules", default="on,off", help="the straggler rule on (1.5 intervals) and/or off")
+    ap.add_argument("--volunteers", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=60.0, help="wall time of each run from its first step")
+    ap.add_argument("--freeze", type=float, default=20.0, help="seconds volunteer 1 is frozen (frozen)")
+    ap.add_argument("--p", type=float, default=0.05, help="chance of a 10x stall per tick (heavy-tail)")
+    ap.add_argument("--tick", type=float, default=0.2, help="seconds between stall draws (heavy-tail)")
+    ap.add_argument("--target", type=int, default=64)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    args.scenarios = args.scenarios.split(",")
+    args.rules = args.rules.split(",")
+    args.threads = 1
+    args.device = "cpu"
+    args.steps = 1 << 20  # (they are stopped at the end of the window)
+    return args
+
+
+async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: argparse.Namespace) -> None:
+    """Make ``scenario``'s stalls until cancelled (the volunteers that stall: STALLING)."""
+    rng = random.Random(27)
+
+    def pid(p: Proc) -> int:
+        assert p.proc is not None
+        return p.proc.pid
+
+    if scenario == "frozen":
+        await at_step.wait()
+        os.kill(pid(procs[0]), signal.SIGSTOP)
+        try:
+            await asyncio.sleep(args.freeze)
+        finally:
+            os.kill(pid(procs[0]), signal.SIGCONT)
+        await asyncio.Event().wait()
+    elif scenario == "heavy-tail":
+        while True:
+            await asyncio.sleep(args.tick)
+            for p in procs:
+                if rng.random() < args.p:
+                    asyncio.get_running_loop().create_task(_stop_for(pid(p), 9 * args.tick))
+    elif scenario == "slow":
+        while True:
+            os.kill(pid(procs[0]), signal.SIGSTOP)
+            try:
+                await asyncio.sleep(0.02)
+            finally:
+                os.kill(pid(procs[0]), signal.SIGCONT)
+            await asyncio.sleep(0.01)
+    await asyncio.Event().wait()
+
+
+async def _stop_for(pid: int, seconds: float) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+STALLING: dict[str, set[str]] = {
+    "none": set(),
+    "frozen": {"v1"},
+    "heavy-tail": {"v1", "v2", "v3", "v4"},
+    "slow": {"v1"},
+}
+
+
+async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: Path) -> dict:
+    from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.volunteer import events as ev
+
+    workdir = workdir / f"{scenario}-{rule}"
+    margs = {"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 64}
+    averaging = {"group_size": 4, "codec": "int8", "gather_s": 1.0, "step_timeout_s": 120.0}
+    tracker = {"straggler_intervals": 1.5 if rule == "on" else 0.0, "peer_ttl_s": 60.0}
+    procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
+    records: dict[int, Any] = {}
+    async with published(workdir, f"stragglers {scenario} {rule}", margs, args, averaging, **tracker) as (
+        t,
+        spec,
+    ):
+        at_step = asyncio.Event()
+        for p in procs:
+            await start_volunteer(p, t.url, spec.run_id, workdir, args)
+        staller: asyncio.Task | None = None
+        try:
+            async with TrackerClient(t.url) as c:
+                started = None
+                while True:
+                    status = await c.status(spec.run_id)
+                    for r in status.recent_steps:
+                        records[r.step] = r
+                    if started is None and status.global_step >= 1:
+                        started = time.monotonic()
+                        staller = asyncio.create_task(stall(scenario, procs, at_step, args))
+                    if status.global_step >= 3:
+                        at_step.set()
+                    if started is not None and time.monotonic() - started >= args.seconds:
+                        break
+                    await asyncio.sleep(0.5)
+        finally:
+            if staller is not None:
+                staller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await staller
+            for p in procs:  # (a stopped one must be running to leave)
+                if p.proc is not None and p.proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.proc.pid, signal.SIGCONT)
+            await stop_all(procs)
+    closed = sorted(records.values(), key=lambda r: r.step)
+    window = [r for r in closed if r.step >= 1]
+    span = window[-1].closed_at - window[0].closed_at if len(window) > 1 else float("nan")
+    steady = [p for p in procs if p.name not in STALLING[scenario]] or procs
+    longest = max(
+        (e.step_time_s for p in steady for e in p.events if isinstance(e, ev.StepDone) and e.step >= 1),
+        default=float("nan"),
+    )
+    medians = [
+        statistics.median(e.step_time_s for e in p.events if isinstance(e, ev.StepDone) and e.step >= 1)
+        for p in steady
+        if any(isinstance(e, ev.StepDone) and e.step >= 1 for e in p.events)
+    ]
+    dropped = sum(e.dropped_samples for p in procs for e in p.events if isinstance(e, ev.StepMissed))
+    return {
+        "scenario": scenario,
+        "rule": rule,
+        "steps": len(window),
+        "steps/min": 60.0 * (len(window) - 1) / span if span == span and span > 0 else float("nan"),
+        "longest": longest,
+        "median": statistics.median(medians) if medians else float("nan"),
+        "dropped": dropped,
+    }
+
+
+HEADER = ("scenario", "straggler rule", "steps", "steps/min", "× none", "median step s", "longest step s",
+          "samples dropped")  # fmt: skip
+
+
+def cells(row: dict, base: dict | None) -> list[str]:
+    ratio = row["steps/min"] / base["steps/min"] if base else float("nan")
+    return [
+        row["scenario"],
+        row["rule"],
+        str(row["steps"]),
+        f"{row['steps/min']:.1f}",
+        f"{ratio:.2f}",
+        f"{row['median']:.2f}",
+        f"{row['longest']:.1f}",
+        str(row["dropped"]),
+    ]
+
+
+async def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    print(
+        f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 64 × 2, target {args.target}, "
+        f"micro {args.micro}; {args.seconds:.0f} s a run",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="crowdtrain-stragglers-") as tmp:
+        for rule in args.rules:
+            for scenario in args.scenarios:
+                row = await one_run(scenario, rule, args, Path(tmp))
+                rows.append(row)
+                base = next((r for r in rows if r["scenario"] == "none" and r["rule"] == rule), None)
+                print(
+                    "  ".join(f"{h} {c}" for h, c in zip(HEADER, cells(row, base), strict=True)), flush=True
+                )
+    if args.markdown:
+        print("| " + " | ".join(HEADER) + " |")
+        print("|" + "---|" * len(HEADER))
+        for row in rows:
+            base = next((r for r in rows if r["scenario"] == "none" and r["rule"] == row["rule"]), None)
+            print("| " + " | ".join(cells(row, base)) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
