@@ -481,7 +481,7 @@ class RunState:
         reply = await self.wait_ready(peer.peer_id, step, weight, long_poll_s, ahead)
         if self.peers.get(peer.peer_id) is peer:
             peer.last_seen = time.monotonic()
-            return reply
+        return reply
 
     async def wait_ready(
         self, peer_id: str, step: int, weight: int, long_poll_s: float, ahead: int = 0
