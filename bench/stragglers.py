@@ -3,10 +3,12 @@ without it (``TrackerConfig.straggler_intervals = 0``: a volunteer's allotment i
 expires), side by side in one run of this script.
 
 One tracker, the built-in corpus and a seeder in this process; ``--volunteers`` ``crowdtrain join --json``
-processes (tiny-gpt, target ``--target``, micro-batch ``--micro``) on loopback. Stalls are made from outside,
+processes (tiny-gpt d_model 128 × 4 layers, seq_len 64, the issue's model; target ``--target``, micro-batch
+``--micro``) on loopback. Stalls are made from outside,
 with signals, as a user's machine makes them:
 - ``none``: nobody stalls (the reference);
-- ``frozen``: volunteer 1 is stopped (SIGSTOP) for ``--freeze`` seconds once the run is at step 3, then woken;
+- ``frozen``: volunteer 1 is stopped (SIGSTOP) for ``--freeze`` seconds once the run is at step 3 and it is
+  computing its share (a micro-batch reported since), then woken;
 - ``heavy-tail``: every volunteer, every ``--tick`` seconds, with probability ``--p``, is stopped for 9 ticks
   (a micro-batch that takes 10× as long: another program took the machine);
 - ``slow``: volunteer 1 computes at a third of its speed (stopped two thirds of every 30 ms).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -44,15 +47,15 @@ SCENARIOS = ("none", "frozen", "heavy-tail", "slow")
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default="none,frozen,heavy-tail")
     ap.add_argument("--rules", default="on,off", help="the straggler rule on (1.5 intervals) and/or off")
     ap.add_argument("--volunteers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=60.0, help="wall time of each run from its first step")
     ap.add_argument("--freeze", type=float, default=20.0, help="seconds volunteer 1 is frozen (frozen)")
-    ap.add_argument("--p", type=float, default=0.05, help="chance of a 10x stall per tick (heavy-tail)")
+    ap.add_argument("--p", type=float, default=0.02, help="chance of a 10x stall per tick (heavy-tail)")
     ap.add_argument("--tick", type=float, default=0.2, help="seconds between stall draws (heavy-tail)")
-    ap.add_argument("--target", type=int, default=64)
-    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--target", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     args.scenarios = args.scenarios.split(",")
@@ -73,6 +76,10 @@ async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: 
 
     if scenario == "frozen":
         await at_step.wait()
+        seen = len(procs[0].events)
+        # (the events are appended by another task, which sets no event: look every 50 ms)
+        while not any(type(e).__name__ == "LocalTraining" for e in procs[0].events[seen:]):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
         os.kill(pid(procs[0]), signal.SIGSTOP)
         try:
             await asyncio.sleep(args.freeze)
@@ -118,7 +125,7 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     from crowdtrain.volunteer import events as ev
 
     workdir = workdir / f"{scenario}-{rule}"
-    margs = {"d_model": 64, "n_layer": 2, "n_head": 2, "seq_len": 64}
+    margs = {"d_model": 128, "n_layer": 4, "n_head": 4, "seq_len": 64}
     averaging = {"group_size": 4, "codec": "int8", "gather_s": 1.0, "step_timeout_s": 120.0}
     tracker = {"straggler_intervals": 1.5 if rule == "on" else 0.0, "peer_ttl_s": 60.0}
     procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
@@ -160,15 +167,13 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     window = [r for r in closed if r.step >= 1]
     span = window[-1].closed_at - window[0].closed_at if len(window) > 1 else float("nan")
     steady = [p for p in procs if p.name not in STALLING[scenario]] or procs
-    longest = max(
-        (e.step_time_s for p in steady for e in p.events if isinstance(e, ev.StepDone) and e.step >= 1),
-        default=float("nan"),
-    )
-    medians = [
-        statistics.median(e.step_time_s for e in p.events if isinstance(e, ev.StepDone) and e.step >= 1)
+    # a step's wall time for a volunteer: from its StepDone of the step before to its StepDone of this one
+    gaps = [
+        [b.t - a.t for a, b in itertools.pairwise([e for e in p.events if isinstance(e, ev.StepDone)])]
         for p in steady
-        if any(isinstance(e, ev.StepDone) and e.step >= 1 for e in p.events)
     ]
+    longest = max((g for each in gaps for g in each), default=float("nan"))
+    medians = [statistics.median(each) for each in gaps if each]
     dropped = sum(e.dropped_samples for p in procs for e in p.events if isinstance(e, ev.StepMissed))
     return {
         "scenario": scenario,
@@ -203,7 +208,7 @@ async def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.ERROR)
     print(
-        f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 64 × 2, target {args.target}, "
+        f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 128 × 4, target {args.target}, "
         f"micro {args.micro}; {args.seconds:.0f} s a run",
         flush=True,
     )
