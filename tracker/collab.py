@@ -224,7 +224,7 @@ class RunState:
             return False
         free = self.ledger.free
         self.ledger.remove(peer_id)
-        self._freed(free)
+        self.freed_now(free)
         self.pending.discard(peer_id)
         self.ready.pop(peer_id, None)
         self.reopened.discard(peer_id)
@@ -240,32 +240,6 @@ class RunState:
             return False
         self.maybe_form(time.time())
         return True
-
-    def revoke_stragglers(self, silent_s: float) -> list[str]:
-        """Free the unfinished allotments of peers at the open step that have said nothing for ``silent_s``
-        (the module docstring's rule); returns their ids."""
-        if self.closed_at is not None or self.closed is not None:
-            return []
-        before = time.monotonic() - silent_s
-        stragglers = [p for p in self.peers.values() if p.last_seen < before]
-        revoked = []
-        for peer in stragglers:
-            free = self.ledger.free
-            owed = self.ledger.revoke(peer.peer_id)
-            if owed:
-                revoked.append(peer.peer_id)
-                log.info(
-                    "run %s: peer %s silent for %.1f s owes %d samples of step %d: they are freed for the others",
-                    self.run_id,
-                    peer.peer_id,
-                    time.monotonic() - peer.last_seen,
-                    owed,
-                    self.global_step,
-                )
-                self._freed(free)
-        if revoked:
-            self.maybe_close(time.time())
-        return revoked
 
     def expire(self, ttl_s: float) -> int:
         before = time.monotonic() - ttl_s
@@ -291,7 +265,7 @@ class RunState:
         )
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, hb.compute_share
         peer.last_seen = now
-        self._freed(free)
+        self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:
             self.pending.add(peer.peer_id)
         self.maybe_close(time.time())
@@ -313,7 +287,7 @@ class RunState:
             return "an evaluation's loss and metrics must be finite numbers"
         return None
 
-    def _freed(self, before: int) -> None:
+    def freed_now(self, before: int) -> None:
         """More samples of the open step are free than ``before``: the step watches answer (wait_close)."""
         if self.closed_at is None and self.ledger.free > max(before, 0):
             self.freed += 1
@@ -568,3 +542,30 @@ def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
         allotment=run.ledger.allotment(peer.peer_id, step_open=run.closed_at is None),
         ahead_share=share.ahead_share,
     )
+
+
+def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
+    """Free the unfinished allotments of ``run``'s peers at the open step that have said nothing for
+    ``silent_s`` (the module docstring's rule); returns their ids. (Beside :class:`RunState`: the tracker's
+    upkeep calls it every STRAGGLE_CHECK_S.)"""
+    if run.closed_at is not None or run.closed is not None:
+        return []
+    before = time.monotonic() - silent_s
+    revoked = []
+    for peer in [p for p in run.peers.values() if p.last_seen < before]:
+        free = run.ledger.free
+        owed = run.ledger.revoke(peer.peer_id)
+        if owed:
+            revoked.append(peer.peer_id)
+            log.info(
+                "run %s: peer %s silent for %.1f s owes %d samples of step %d: they are freed for the others",
+                run.run_id,
+                peer.peer_id,
+                time.monotonic() - peer.last_seen,
+                owed,
+                run.global_step,
+            )
+            run.freed_now(free)
+    if revoked:
+        run.maybe_close(time.time())
+    return revoked
