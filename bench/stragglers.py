@@ -7,8 +7,8 @@ processes (tiny-gpt d_model 128 × 4 layers, seq_len 64, the issue's model; targ
 ``--micro``) on loopback. Stalls are made from outside,
 with signals, as a user's machine makes them:
 - ``none``: nobody stalls (the reference);
-- ``frozen``: volunteer 1 is stopped (SIGSTOP) for ``--freeze`` seconds once the run is at step 3 and it is
-  computing its share (a micro-batch reported since), then woken;
+- ``frozen``: volunteer 1 is stopped (SIGSTOP) for ``--freeze`` seconds once the run is at step 3, as it begins
+  computing its share of a step (so it owes samples), then woken;
 - ``heavy-tail``: every volunteer, every ``--tick`` seconds, with probability ``--p``, is stopped for 9 ticks
   (a micro-batch that takes 10× as long: another program took the machine);
 - ``slow``: volunteer 1 computes at a third of its speed (stopped two thirds of every 30 ms).
@@ -76,10 +76,11 @@ async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: 
 
     if scenario == "frozen":
         await at_step.wait()
+        # at the start of its next step's compute: it owes its whole allotment then (its StepDone, then the
+        # "training" phase; the events are appended by another task, which sets no event: look every 10 ms)
         seen = len(procs[0].events)
-        # (the events are appended by another task, which sets no event: look every 50 ms)
-        while not any(type(e).__name__ == "LocalTraining" for e in procs[0].events[seen:]):  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+        while not _computing_a_new_step(procs[0].events[seen:]):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         os.kill(pid(procs[0]), signal.SIGSTOP)
         try:
             await asyncio.sleep(args.freeze)
@@ -101,6 +102,14 @@ async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: 
                 os.kill(pid(procs[0]), signal.SIGCONT)
             await asyncio.sleep(0.01)
     await asyncio.Event().wait()
+
+
+def _computing_a_new_step(events: list[Any]) -> bool:
+    """A StepDone, then a change to the "training" phase: the volunteer began computing its next step."""
+    done = next((i for i, e in enumerate(events) if type(e).__name__ == "StepDone"), None)
+    return done is not None and any(
+        type(e).__name__ == "PhaseChanged" and e.phase == "training" for e in events[done + 1 :]
+    )
 
 
 async def _stop_for(pid: int, seconds: float) -> None:
