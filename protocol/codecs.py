@@ -274,6 +274,20 @@ def _sparse_pick(rows: np.ndarray, mags: np.ndarray, picks: np.ndarray, values: 
     values[:] = np.take_along_axis(rows, top, axis=1)
 
 
+def _pack2(codes: np.ndarray) -> np.ndarray:
+    """2-bit codes (values 0..3, any numeric dtype) four to a byte, from the low bits up (the last byte padded
+    with code 0): what sparse and int2 payloads carry."""
+    padded = np.zeros(-(-codes.size // 4) * 4, dtype=np.uint8)
+    padded[: codes.size] = codes
+    quads = padded.reshape(-1, 4)
+    return quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+
+
+def _unpack2(packed: np.ndarray) -> np.ndarray:
+    """The codes of :func:`_pack2`'s bytes, four a byte (padding included), as a flat uint8 array."""
+    return ((packed[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)).reshape(-1)
+
+
 def _sparse_encode(x: np.ndarray) -> bytes:
     n = x.size
     chunks, kept = _sparse_counts(n)
@@ -303,10 +317,7 @@ def _sparse_encode(x: np.ndarray) -> bytes:
         np.rint(q, out=q)
         np.clip(q, 0, 3, out=q)
         q[np.isnan(q)] = 0.0  # a broken chunk: it decodes as NaN whatever its codes
-    codes = np.zeros(-(-kept // 4) * 4, dtype=np.uint8)
-    codes[:kept] = q.reshape(-1)[:kept]
-    quads = codes.reshape(-1, 4)
-    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
+    packed = _pack2(q.reshape(-1)[:kept])
     out = bytearray(4 * chunks + kept + packed.size)
     np.frombuffer(out, dtype=np.float32, count=chunks)[:] = scales
     np.frombuffer(out, dtype=np.uint8, offset=4 * chunks, count=kept)[:] = picks.reshape(-1)[:kept]
@@ -321,13 +332,12 @@ def _sparse_decode(raw: BytesLike, n: int) -> np.ndarray:
     chunks, kept = _sparse_counts(n)
     scales = np.frombuffer(raw, dtype=np.float32, count=chunks)
     picks = np.frombuffer(raw, dtype=np.uint8, offset=4 * chunks, count=kept)
-    packed = np.frombuffer(raw, dtype=np.uint8, offset=4 * chunks + kept)
-    codes = (packed[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)
+    codes = _unpack2(np.frombuffer(raw, dtype=np.uint8, offset=4 * chunks + kept))
     # the chunk of kept value j is j // SPARSE_K, its place in the padded output that chunk's start + pick
     where = np.repeat(np.arange(0, chunks * SPARSE_CHUNK, SPARSE_CHUNK), SPARSE_K)[:kept]
     where += picks
     with np.errstate(invalid="ignore", over="ignore"):
-        values = np.take(_SPARSE_LEVELS, codes.reshape(-1)[:kept])
+        values = np.take(_SPARSE_LEVELS, codes[:kept])
         values *= np.repeat(scales, SPARSE_K)[:kept]
     out = np.zeros(chunks * SPARSE_CHUNK, dtype=np.float32)
     out[where] = values
@@ -358,19 +368,14 @@ def _int2_encode(x: np.ndarray) -> bytes:
         np.rint(q, out=q)
         np.clip(q, 0, 3, out=q)
         q[np.isnan(q)] = 0.0
-    codes = np.zeros(-(-n // 4) * 4, dtype=np.uint8)
-    codes[:n] = q.reshape(-1)[:n]
-    quads = codes.reshape(-1, 4)
-    packed = quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)
-    return scales.tobytes() + packed.tobytes()
+    return scales.tobytes() + _pack2(q.reshape(-1)[:n]).tobytes()
 
 
 def _int2_decode(raw: BytesLike, n: int) -> np.ndarray:
     """Decode an int2 payload of the right length (any bytes decode to values; NaN for a non-finite scale)."""
     blocks = -(-n // INT2_BLOCK)
     scales = np.frombuffer(raw, dtype=np.float32, count=blocks)
-    packed = np.frombuffer(raw, dtype=np.uint8, offset=4 * blocks)
-    codes = ((packed[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & np.uint8(3)).reshape(-1)
+    codes = _unpack2(np.frombuffer(raw, dtype=np.uint8, offset=4 * blocks))
     out = np.zeros(blocks * INT2_BLOCK, dtype=np.float32)
     out[: codes.size] = np.take(_INT2_LEVELS, codes)
     with np.errstate(invalid="ignore", over="ignore"):
