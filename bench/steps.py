@@ -609,7 +609,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, nargs="*", default=[100, 300, 1000])
     ap.add_argument("--steps", type=int, default=5, help="measured steps per volunteer count")
-    ap.add_argument("--warmup", type=int, default=2, help="steps before the measured ones")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="steps before the measured ones (the tracker keeps its last 8 formed steps' assignments: until"
+        " it holds 8, each step adds ~6 objects per volunteer to its heap, and the collector runs on them)",
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs per volunteer count (the median is shown)")
     ap.add_argument("--per-peer", type=int, default=64, help="the target is this many samples per volunteer")
     ap.add_argument(
@@ -646,9 +652,15 @@ def main() -> None:
                 print(json.dumps(result))
             results[peers].append(result)
             cpu = statistics.mean(r["tracker_cpu_s"] for r in result["steps"] if r["measured"])
+            measured = sum(r["measured"] for r in result["steps"])
+            by_generation = ", ".join(
+                f"gen {g} {c['count'] / measured:.1f}× {1000 * c['seconds'] / measured:.1f} ms"
+                for g, c in result["gc"]["collections"].items()
+            )
             print(
                 f"({peers} volunteers: tracker code from {result['code']}, setup {result['setup_s']:.1f} s,"
-                f" tracker CPU {1000 * cpu:.0f} ms per step)"
+                f" tracker CPU {1000 * cpu:.0f} ms per step; GC per step: {by_generation};"
+                f" {result['gc']['tracked']:,} objects tracked)"
             )
     rows = [summarize(results[n]) for n in args.peers]
     base = rows[0]

@@ -1,7 +1,10 @@
 """Ed25519 signatures: the tracker vouches for peers and groups; peers sign their requests.
 
 * The tracker signs a :class:`Credential` (run, peer id, the peer's own public key, expiry) at join, and
-  each :class:`GroupAssignment`. The run spec carries the tracker's public key, so peers check both
+  the :class:`GroupAssignment` s of a formed step: one signature per step over the root of a Merkle tree of
+  its assignments (SHA-256, leaves and nodes hashed apart), each assignment carrying its path to the root
+  (``proof``). At 1,000 volunteers a step has ~1,900 assignments: one Ed25519 signature instead of 1,900
+  (48 ms of tracker CPU per step). The run spec carries the tracker's public key, so peers check both
   without asking the tracker.
 * A peer signs each peer-to-peer request with its own key over a purpose string, the round (or state
   hash) and its other parameters, so a credential copied off the network is useless without the key.
@@ -9,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import msgspec
@@ -74,16 +78,59 @@ def verify_credential(c: Credential, tracker_public_key: str, run_id: str, now: 
         raise AuthError(f"credential of peer {c.peer_id} has expired; the peer must join again")
 
 
-def _assignment_bytes(a: GroupAssignment) -> bytes:
-    return b"crowdtrain-group\x00" + msgspec.json.encode(replace(a, signature=""))
+_LEAF = b"crowdtrain-group\x00"  # an assignment's hash; the leaves and the nodes above them are hashed apart
+_NODE = b"crowdtrain-groups-node\x00"
+_ROOT = b"crowdtrain-groups-root\x00"  # what the tracker signs: the root of a step's assignments
+
+
+def _leaf(a: GroupAssignment) -> bytes:
+    return hashlib.sha256(_LEAF + msgspec.json.encode(replace(a, signature="", proof=[]))).digest()
+
+
+def _node(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(_NODE + left + right).digest()
+
+
+def sign_assignments(tracker: SigningKey, assignments: list[GroupAssignment]) -> list[GroupAssignment]:
+    """The assignments, each carrying one signature over the root of a Merkle tree of all of them and its
+    path to it: per level, its sibling's hash after ``l`` (the sibling is on the left) or ``r``. A level of
+    odd length carries its last hash up unpaired (no sibling at that level)."""
+    if not assignments:
+        return []
+    level = [_leaf(a) for a in assignments]
+    paths: list[list[str]] = [[] for _ in assignments]
+    under: list[list[int]] = [[i] for i in range(len(assignments))]  # the leaves under each hash of the level
+    while len(level) > 1:
+        upper, upper_under = [], []
+        for i in range(0, len(level) - 1, 2):
+            left, right = level[i], level[i + 1]
+            to_right, to_left = "r" + right.hex(), "l" + left.hex()
+            for leaf in under[i]:
+                paths[leaf].append(to_right)
+            for leaf in under[i + 1]:
+                paths[leaf].append(to_left)
+            upper.append(_node(left, right))
+            upper_under.append(under[i] + under[i + 1])
+        if len(level) % 2:
+            upper.append(level[-1])
+            upper_under.append(under[-1])
+        level, under = upper, upper_under
+    signature = tracker.sign(_ROOT + level[0])
+    return [replace(a, signature=signature, proof=path) for a, path in zip(assignments, paths, strict=True)]
 
 
 def sign_assignment(tracker: SigningKey, a: GroupAssignment) -> GroupAssignment:
-    return replace(a, signature=tracker.sign(_assignment_bytes(replace(a, signature=""))))
+    """One assignment signed alone (a tree of one leaf: no path)."""
+    return sign_assignments(tracker, [a])[0]
 
 
 def verify_assignment(a: GroupAssignment, tracker_public_key: str) -> None:
-    verify(tracker_public_key, a.signature, _assignment_bytes(a), "group assignment")
+    """Raise :class:`AuthError` unless the tracker signed the root this assignment's path leads to."""
+    digest = _leaf(a)
+    for step in a.proof:  # the message's bounds hold: ``l`` or ``r`` and 64 hex characters, ≤ 32 of them
+        sibling = bytes.fromhex(step[1:])
+        digest = _node(sibling, digest) if step[0] == "l" else _node(digest, sibling)
+    verify(tracker_public_key, a.signature, _ROOT + digest, "group assignment")
 
 
 def request_bytes(purpose: str, *fields: str | int) -> bytes:

@@ -37,10 +37,12 @@ Version = Literal[1]
 # protocols cannot average together, so the tracker admits only volunteers that speak its own. 2: frames
 # with XXH3-64 checksums and stored bodies (a build without ``peer_protocol`` in its JoinRequest speaks 1).
 # 3: a step's all-reduce runs in phases, so every group ends with the one mean of all (GroupAssignment.phase).
-PEER_PROTOCOL = 3
+# 4: one tracker signature per step over a Merkle root of its assignments (GroupAssignment.proof).
+PEER_PROTOCOL = 4
 CodecName = Literal["none", "fp16", "bf16", "int8", "sparse", "int2"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MERKLE_STEP = r"^[lr][0-9a-f]{64}$"
 MAX_INT = 1 << 53  # whole numbers every JSON reader holds exactly
 
 # Field constraints. A pattern's ``$`` also matches before a final newline: the lengths rule that out.
@@ -56,6 +58,7 @@ _PATTERN_WORDS = {
     HEX40.pattern: "40 lowercase hex characters",
     HEX64.pattern: "64 lowercase hex characters",
     PARAM_HASH: "64 lowercase hex characters (or empty)",
+    MERKLE_STEP: "'l' or 'r' and 64 lowercase hex characters",
 }
 
 
@@ -408,7 +411,11 @@ class GroupAssignment(Message, frozen=True, kw_only=True):
     phase: int = 0  # which phase of the step's all-reduce (tracker/matchmaking.py: plan)
     phases: int = 1  # how many phases the step's all-reduce has: after the last, everyone holds one mean
     step_samples: int = 0  # the samples of every ready peer of the step: what the mean stands for
-    signature: str  # hex, the tracker's Ed25519 signature over the fields above
+    # hex, the tracker's Ed25519 signature over the root of the step's assignments (protocol/credentials.py)
+    signature: str
+    # this assignment's path to that root: per level, ``l`` or ``r`` (which side its sibling is on) and the
+    # sibling's SHA-256 in hex; 32 levels hold 4 billion assignments
+    proof: Annotated[list[Annotated[str, Meta(pattern=MERKLE_STEP, max_length=65)]], Meta(max_length=32)] = []
 
 
 class ReadyReply(Message, frozen=True, kw_only=True):

@@ -15,6 +15,7 @@ from crowdtrain.protocol.credentials import (
     issue_credential,
     request_bytes,
     sign_assignment,
+    sign_assignments,
     verify,
     verify_assignment,
     verify_credential,
@@ -137,6 +138,64 @@ def test_group_assignment_signature(tracker_key, peer):
             verify_assignment(replace(signed, **changes), tracker_key.public_hex)
     with pytest.raises(AuthError, match="group assignment carries an invalid signature"):
         verify_assignment(signed, SigningKey().public_hex)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7, 8, 33])
+def test_a_round_is_signed_once_and_each_assignment_proves_itself_alone(tracker_key, peer, count):
+    base = _assignment(tracker_key, peer)
+    signed = sign_assignments(
+        tracker_key, [replace(base, round_id=f"r{i}", signature="") for i in range(count)]
+    )
+    assert len({a.signature for a in signed}) == 1  # one signature for the whole round
+    assert max(len(a.proof) for a in signed) == (count - 1).bit_length()  # log2 of the round, rounded up
+    for a in signed:
+        verify_assignment(a, tracker_key.public_hex)
+        with pytest.raises(AuthError, match="group assignment carries an invalid signature"):
+            verify_assignment(replace(a, round_id=a.round_id + "x"), tracker_key.public_hex)
+    if count == 1:
+        return
+    first, second = signed[0], signed[1]
+    bad = "r" + "0" * 64
+    for forged in (
+        replace(first, proof=second.proof),  # another assignment's path
+        replace(first, proof=[bad, *first.proof[1:]]),  # a sibling changed
+        replace(first, proof=[("l" if s[0] == "r" else "r") + s[1:] for s in first.proof]),  # sides swapped
+        replace(first, proof=first.proof[:-1]),  # a level left out
+        replace(first, proof=[]),
+        replace(first, step=first.step + 1),
+    ):
+        with pytest.raises(AuthError, match="group assignment carries an invalid signature"):
+            verify_assignment(forged, tracker_key.public_hex)
+    # another round's signature does not cover this round's assignments
+    other = sign_assignments(tracker_key, [replace(base, round_id="z", signature="")] * count)
+    with pytest.raises(AuthError, match="group assignment carries an invalid signature"):
+        verify_assignment(replace(first, signature=other[0].signature), tracker_key.public_hex)
+
+
+def test_an_assignment_path_is_bounded_and_well_formed():
+    from crowdtrain.protocol.errors import ProtocolError
+    from crowdtrain.protocol.messages import decode
+
+    fields = {
+        "run_id": RUN,
+        "round_id": "r1",
+        "step": 1,
+        "members": [],
+        "parts": 1,
+        "average_params": False,
+        "deadline": 1.0,
+        "seed": 1,
+        "signature": "",
+    }
+    decode(encode(GroupAssignment(**fields, proof=["l" + "a" * 64] * 32)), GroupAssignment)
+    for proof, words in (
+        (["l" + "a" * 64] * 33, "length <= 32"),
+        (["x" + "a" * 64], "'l' or 'r' and 64 lowercase hex characters"),
+        (["l" + "a" * 63], "'l' or 'r' and 64 lowercase hex characters"),
+        (["l" + "A" * 64], "'l' or 'r' and 64 lowercase hex characters"),
+    ):
+        with pytest.raises(ProtocolError, match=words):
+            decode(encode(GroupAssignment(**fields, proof=proof)), GroupAssignment)
 
 
 def test_request_bytes_separate_purpose_and_fields():

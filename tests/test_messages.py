@@ -99,7 +99,7 @@ def minimal(t: mi.Type):
     if isinstance(t, mi.LiteralType):
         return t.values[0]
     if isinstance(t, mi.StrType):
-        text = next((x for x in ("x", "0" * 40, "0" * 64) if fits(t, x)), None)
+        text = next((x for x in ("x", "0" * 40, "0" * 64, "l" + "0" * 64) if fits(t, x)), None)
         assert text is not None, f"add a value for {t!r} to tests/test_messages.py"
         return text
     if isinstance(t, mi.IntType | mi.FloatType):

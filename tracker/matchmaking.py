@@ -54,8 +54,16 @@ class Group:
 
 @dataclass(slots=True)
 class _Node:
-    members: list[str]
+    """Peers that hold the same values after a phase: its part owners and the others, each in the order
+    they were dealt."""
+
+    owners: list[str]
+    others: list[str]
     weight: int
+
+    @property
+    def size(self) -> int:
+        return len(self.owners) + len(self.others)
 
 
 def partition(candidates: list[Candidate], group_size: int, seed: int) -> list[Group]:
@@ -96,55 +104,62 @@ def plan(candidates: list[Candidate], group_size: int, seed: int) -> list[list[G
     if not first:
         return []
     phases = [first]
-    reachable = {c.peer_id for c in candidates if c.reachable}
-    nodes = [_Node(list(g.members), sum(g.weights)) for g in first]
+    reachable = any(c.reachable for c in candidates)
+    nodes = [
+        _Node(list(g.owners), [p for p in g.members if p not in g.owners], sum(g.weights)) for g in first
+    ]
     while len(nodes) > 1:
-        k = _best_k([len(n.members) for n in nodes], group_size)
+        k = _best_k([n.size for n in nodes], group_size)
         if reachable:  # a cluster needs a part owner: no more clusters than nodes holding one
-            k = min(k, sum(any(p in reachable for p in n.members) for n in nodes))
+            k = min(k, sum(bool(n.owners) for n in nodes))
         # nodes holding a reachable peer first, then the largest: dealt round-robin over the clusters
-        order = sorted(nodes, key=lambda n: (not any(p in reachable for p in n.members), -len(n.members)))
+        order = sorted(nodes, key=lambda n: (not n.owners, -n.size))
         clusters = [order[r::k] for r in range(k)]
         groups: list[Group] = []
         nodes = []
         for cluster in clusters:
-            nodes.append(_Node([p for n in cluster for p in n.members], sum(n.weight for n in cluster)))
+            merged = _Node([p for n in cluster for p in n.owners], [p for n in cluster for p in n.others], 0)
+            merged.weight = sum(n.weight for n in cluster)
+            nodes.append(merged)
             if len(cluster) > 1:  # a lone node's members hold the same values already: they sit it out
-                groups.extend(_columns(cluster, reachable))
+                groups.extend(_columns(cluster))
         phases.append(groups)
     return phases
 
 
-def _columns(cluster: list[_Node], reachable: set[str]) -> list[Group]:
+def _columns(cluster: list[_Node]) -> list[Group]:
     """Deal each node's members over the columns so every column holds ≥ 1 member of every node (and a
     part owner, with fewer columns if owners are scarce); weights as in the module docstring, scaled to
     whole numbers."""
-    owners = sum(p in reachable for n in cluster for p in n.members)
-    columns = max(1, min(min(len(n.members) for n in cluster), owners or 1))
+    owners = sum(len(n.owners) for n in cluster)
+    columns = max(1, min(min(n.size for n in cluster), owners or 1))
     while True:
-        cols: list[list[tuple[str, int]]] = [[] for _ in range(columns)]  # (peer, node index)
+        # (peer, node index, owns a part), node by node: each column lists its members node by node
+        cols: list[list[tuple[str, int, bool]]] = [[] for _ in range(columns)]
+        has_owner = [False] * columns
         offset = 0  # each node's owners go on where the previous node's ended: owners spread out
         for ni, node in enumerate(cluster):
-            members = sorted(node.members, key=lambda p: p not in reachable)
-            for j, p in enumerate(members):
-                cols[(offset + j) % columns].append((p, ni))
-            offset += sum(p in reachable for p in members) or len(members)
-        if columns == 1 or not reachable or all(any(p in reachable for p, _ in c) for c in cols):
+            for j, p in enumerate(node.owners):
+                c = (offset + j) % columns
+                cols[c].append((p, ni, True))
+                has_owner[c] = True
+            for j, p in enumerate(node.others, len(node.owners)):
+                cols[(offset + j) % columns].append((p, ni, False))
+            offset += len(node.owners) or node.size
+        if columns == 1 or not owners or all(has_owner):
             break
         columns -= 1
     groups = []
     for col in cols:
-        col.sort(key=lambda m: m[1])  # node by node: full-grid columns add the same terms in one order
         counts: dict[int, int] = {}
-        for _, ni in col:
+        for _, ni, _ in col:
             counts[ni] = counts.get(ni, 0) + 1
         scale = math.lcm(*counts.values())
-        in_column = tuple(p for p, _ in col)
         groups.append(
             Group(
-                in_column,
-                tuple(p for p in in_column if p in reachable),
-                tuple(cluster[ni].weight * scale // counts[ni] for _, ni in col),
+                tuple(p for p, _, _ in col),
+                tuple(p for p, _, owns in col if owns),
+                tuple(cluster[ni].weight * scale // counts[ni] for _, ni, _ in col),
             )
         )
     return groups

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from crowdtrain.protocol.credentials import SigningKey, sign_assignment
+from crowdtrain.protocol.credentials import SigningKey, sign_assignments
 from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMember, StepRecord
 from crowdtrain.tracker.matchmaking import Candidate, Group
 
@@ -53,33 +53,37 @@ def sign_round(
     averaging: AveragingSpec,
     now: float,
 ) -> dict[str, list[GroupAssignment]]:
-    """One signed assignment per group of each phase of the ready ``candidates`` (each phase its own
-    deadline), listed by member: a candidate's assignments, phase by phase."""
+    """One assignment per group of each phase of the ready ``candidates`` (each phase its own deadline),
+    all signed at once (one signature over their Merkle root), listed by member: a candidate's assignments,
+    phase by phase."""
     # (local steps: every peer ends an outer round with the same parameters; there is nothing to average)
     every = 0 if averaging.local else averaging.average_state_every
     average_params = every > 0 and (step + 1) % every == 0
     step_samples = sum(c.weight for c in candidates)
-    assignments: dict[str, list[GroupAssignment]] = {c.peer_id: [] for c in candidates}
+    unsigned: list[GroupAssignment] = []
     for phase, groups in enumerate(phases):
         deadline = now + averaging.round_timeout_s * (phase + 1)  # phase by phase, each its own timeout
         for index, group in enumerate(groups):
-            assignment = GroupAssignment(
-                run_id=run_id,
-                round_id=f"{run_id}.{step}.{phase}.{index}.{seed:016x}",
-                step=step,
-                members=_members(group, peers),
-                parts=len(group.owners),
-                average_params=average_params,
-                deadline=deadline,
-                seed=seed,
-                phase=phase,
-                phases=len(phases),
-                step_samples=step_samples,
-                signature="",
+            unsigned.append(
+                GroupAssignment(
+                    run_id=run_id,
+                    round_id=f"{run_id}.{step}.{phase}.{index}.{seed:016x}",
+                    step=step,
+                    members=_members(group, peers),
+                    parts=len(group.owners),
+                    average_params=average_params,
+                    deadline=deadline,
+                    seed=seed,
+                    phase=phase,
+                    phases=len(phases),
+                    step_samples=step_samples,
+                    signature="",
+                )
             )
-            signed = sign_assignment(signer, assignment)
-            for peer_id in group.members:
-                assignments[peer_id].append(signed)
+    assignments: dict[str, list[GroupAssignment]] = {c.peer_id: [] for c in candidates}
+    for signed in sign_assignments(signer, unsigned):
+        for member in signed.members:
+            assignments[member.peer_id].append(signed)
     return assignments
 
 
