@@ -313,3 +313,40 @@ def test_honest_peers_never_get_allotments_above_the_target_and_the_tally_stays_
         assert book.tally.reserved <= max(target, book.tally.samples)
         at_step = [x for x in (book.share(n) for n in NAMES) if x is not None and x.step == book.step]
         assert sum(max(x.allotted, x.samples) for x in at_step) == book.tally.reserved
+
+
+def test_a_peer_is_late_once_the_others_waited_half_their_step_and_it_is_past_one_and_a_half_its_own():
+    """Backup workers (issue 27): a and c finish at t=4 (a step of 4 s); b reported 8 of its 40 at t=1 at 10
+    samples/s, so its rest should take 3.2 s. The others have waited long enough at t=6 (half their step); b is
+    late from t = 1 + 1.5 × 3.2 + 0.5 = 6.3, not before."""
+    book = ledger(120)
+    joined(book, "a", "b", "c")
+    for name in ("a", "b", "c"):
+        beat(book, name, 0, 10.0, now=0.0)
+    assert beat(book, "b", 8, 10.0, now=1.0).allotted == 40
+    assert book.overdue(5.0) == []  # nobody is done yet: no one to compare with
+    for name in ("a", "c"):
+        assert beat(book, name, 40, 10.0, now=4.0).done_at == 4.0
+    assert book.overdue(5.9) == []  # the others have not waited half their step
+    assert book.overdue(6.29) == []  # b is not past 1.5 × its own time yet
+    assert book.overdue(6.3) == ["b"]
+    beat(book, "b", 20, 10.0, now=6.4)  # it spoke: its rest (2 s) is timed from now
+    assert book.overdue(6.5) == [] and book.overdue(6.4 + 1.5 * 2.0 + 0.5) == ["b"]
+
+
+def test_a_peer_done_is_not_done_once_allotted_more_and_a_revoked_one_is_written_off_only_while_silent_and_empty():
+    book = ledger(120)
+    joined(book, "a", "b", "c")
+    for name in ("a", "b", "c"):
+        beat(book, name, 0, 10.0, now=0.0)
+    assert beat(book, "a", 40, 10.0, now=4.0).done_at == 4.0
+    assert book.revoke("b") == 40  # b computed nothing of it: freed, written off
+    assert book.written_off("b") and not book.written_off("a")
+    share = beat(book, "a", 40, 10.0, now=4.5)  # a is allotted a share of what b freed: it owes samples again
+    assert share.allotted > 40 and share.done_at == -1.0
+    beat(book, "b", 0, 10.0, now=5.0)  # b speaks: it is waited for again
+    assert not book.written_off("b")
+    book.revoke("c")
+    assert book.written_off("c")
+    book.advance(["a", "b", "c"], 6.0)  # a new step: nobody is written off
+    assert not any(book.written_off(name) for name in ("a", "b", "c"))

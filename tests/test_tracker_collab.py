@@ -325,6 +325,39 @@ async def test_a_straggler_silent_while_it_owes_samples_loses_them_to_the_others
     assert status.peers_online == 3  # b is a straggler, not gone
 
 
+@pytest.mark.tracker_config(heartbeat_interval_s=10.0, peer_ttl_s=60.0)
+async def test_a_late_peer_is_revoked_long_before_its_silence_limit_and_a_round_does_not_wait_for_it(client):
+    """Backup workers (issue 27): a and c reach their shares; b, allotted the same at the same rate, says
+    nothing more (frozen as it began computing). Its silence limit is 15 s (1.5 intervals of 10 s), but once a
+    and c have waited and b is past 1.5 × its own expected time, b is late: what it owes is freed, a and c
+    compute it, and the round forms on their ready calls without waiting ``gather_s`` (30 s) for b, which holds
+    nothing of the step. Waking, b hears it missed the step."""
+    run_id = await new_run(client, target=120, gather_s=30.0)
+    a, b, c = await joined(client, run_id, 3)
+    for v in (a, b, c):
+        await v.heartbeat(0, 0, samples_per_s=40.0)
+    assert (await b.heartbeat(0, 0, samples_per_s=40.0)).allotment == 40  # 1 s of its work
+    for v in (a, c):
+        assert (await v.heartbeat(0, 40, samples_per_s=40.0)).allotment == 40
+    answer = await client.watch_step(run_id, 0, wait_s=12)  # (well inside b's 15 s of silence)
+    assert (answer.step_closed, answer.free) == (False, 40), answer
+    more = [await v.heartbeat(0, 40, samples_per_s=40.0) for v in (a, c)]
+    assert sum(r.allotment - 40 for r in more) == 40, [r.allotment for r in more]
+    closing = [
+        await v.heartbeat(0, r.allotment, samples_per_s=40.0) for v, r in zip((a, c), more, strict=True)
+    ]
+    assert closing[-1].step_closed
+    replies = await asyncio.wait_for(
+        asyncio.gather(*(v.ready(0, r.allotment) for v, r in zip((a, c), more, strict=True))), 12
+    )
+    assert [r.status for r in replies] == ["group", "group"]  # not held for b's ready call
+    assert {m.peer_id for m in replies[0].assignment.members} | {
+        m.peer_id for p in replies[0].later_phases for m in p.members
+    } <= {a.peer_id, c.peer_id}
+    late = await b.ready(0, 0, wait_s=1)
+    assert (late.status, late.global_step) == ("missed", 1)
+
+
 async def test_a_run_with_no_reachable_peer_closes_no_step_and_says_why(client):
     run_id = await new_run(client, target=20, gather_s=0.2)
     a, b = await joined(client, run_id, 2, reachable=False)  # both in client mode

@@ -38,6 +38,9 @@ The rules volunteers rely on:
   ready call is gathered like anyone's (``gather_s``): a volunteer whose heartbeats were only late (an uplink
   full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
   missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
+  A *late* peer goes sooner (backup workers, :meth:`Ledger.overdue`): the others done and waiting half their
+  step, it past 1.5 × its own expected time and silent LATE_SILENT_S. A revoked peer holding nothing of the
+  step and silent since is not waited for at the close (``Ledger.written_off``).
 * Peers silent for ``peer_ttl_s`` expire.
 * Who may serve the run's state, and which state newcomers fetch, is :mod:`crowdtrain.tracker.donors`'s:
   a peer vouches for the state of step N only if it took part in step N - 1 (or the state's hash was
@@ -83,6 +86,9 @@ log = logging.getLogger("crowdtrain.tracker")
 # intervals, and at least this long (a volunteer's event loop may lag behind its interval on a loaded machine),
 # is a straggler
 STRAGGLE_FLOOR_S = 2.0
+# a late peer (Ledger.overdue: the others done and waiting, it past 1.5 × its own expected time) is revoked
+# once it has said nothing for this long: one that spoke within it is computing, only slower than it said
+LATE_SILENT_S = 1.0
 
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -324,7 +330,9 @@ class RunState:
         pending = [
             p
             for p in self.peers.values()
-            if p.share.step in (self.global_step, self.global_step - 1) and p.peer_id not in self.ready
+            if p.share.step in (self.global_step, self.global_step - 1)
+            and p.peer_id not in self.ready
+            and not self.ledger.written_off(p.peer_id)
         ]
         self.pending = {p.peer_id for p in pending}
         # a contributor says "ready" once its micro-batch in flight is done: wait that long for it
@@ -546,22 +554,26 @@ def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
 
 def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
     """Free the unfinished allotments of ``run``'s peers at the open step that have said nothing for
-    ``silent_s`` (the module docstring's rule); returns their ids. (Beside :class:`RunState`: the tracker's
-    upkeep calls it every STRAGGLE_CHECK_S.)"""
+    ``silent_s``, or are late (:meth:`Ledger.overdue`) and silent for LATE_SILENT_S (the module docstring's
+    rule); returns their ids. (Beside :class:`RunState`: the tracker's upkeep calls it every STRAGGLE_CHECK_S.)"""
     if run.closed_at is not None or run.closed is not None:
         return []
-    before = time.monotonic() - silent_s
+    now = time.monotonic()
+    late = run.ledger.overdue(now)
+    suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
+    suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
     revoked = []
-    for peer in [p for p in run.peers.values() if p.last_seen < before]:
+    for peer in suspects:
         free = run.ledger.free
         owed = run.ledger.revoke(peer.peer_id)
         if owed:
             revoked.append(peer.peer_id)
             log.info(
-                "run %s: peer %s silent for %.1f s owes %d samples of step %d: they are freed for the others",
+                "run %s: peer %s %s, silent for %.1f s, owes %d samples of step %d: they are freed for the others",
                 run.run_id,
                 peer.peer_id,
-                time.monotonic() - peer.last_seen,
+                "is late" if peer.peer_id in late else "is silent",
+                now - peer.last_seen,
                 owed,
                 run.global_step,
             )

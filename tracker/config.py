@@ -31,7 +31,8 @@ class TrackerConfig:
     peer_ttl_s: float = 30.0  # a volunteer silent this long is dropped
     heartbeat_interval_s: float = 2.0  # what volunteers are told to use
     # a peer at the open step that owes samples and was silent this many heartbeat intervals (at least 2 s)
-    # loses what it owes to the others (tracker/collab.py: stragglers); 0: it is waited for until it expires
+    # loses what it owes to the others (tracker/collab.py: stragglers, and late peers); 0: neither rule, it is
+    # waited for until it expires
     straggler_intervals: float = 1.5
     announce_interval_s: int = 30  # BitTorrent ``interval``
     min_announce_interval_s: int = 5  # BitTorrent ``min interval``

@@ -24,6 +24,12 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
   mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
   or the step's weight, whichever is larger, and the share cap.
+* **Late** (backup workers, issue 27). Once the peers done with the open step have waited half as long as
+  their step took (LATE_GRACE_S at least), a peer that still owes samples and is past LATE_FACTOR × the time
+  its rest should take at its rate, from when it last reported, plus LATE_GRACE_S, is late (:meth:`overdue`):
+  allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
+  also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
+  step and has not spoken since is written off: the round does not wait for its ready call.
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -47,6 +53,11 @@ SAMPLES_SLACK = 4.0
 # where the exact sum is 0: what is left of a step divided by it gave ETAs of 2**47 s. A sum of rates
 # below RATE_DUST (samples per second: one sample in 11 days) is that dust, and counts as 0.
 RATE_DUST = 1e-6
+# A peer that owes samples is late (see the rules above) past LATE_FACTOR × what its rest should take, plus
+# LATE_GRACE_S, once the peers done with the step have waited (LATE_FACTOR - 1) × their step, at least
+# LATE_GRACE_S.
+LATE_FACTOR = 1.5
+LATE_GRACE_S = 0.5
 
 
 def _settled(rate_sum: float) -> float:
@@ -68,6 +79,7 @@ class Share:
     counted_at: float = 0.0  # when its samples were last credited
     step_since: float = 0.0  # when its current step began for it, as far as the tracker knows
     step_base: int = 0  # the samples it held for the step then (computed ahead, with delay 1)
+    done_at: float = -1.0  # when it reached its allotment of ``step`` (monotonic); -1: it owes samples
 
 
 @dataclass(slots=True)
@@ -146,6 +158,7 @@ class Ledger:
         self._shares: dict[str, Share] = {}
         # what ready calls of this step said was computed ahead for the next one (credited), and when
         self._ahead: dict[str, tuple[int, float]] = {}
+        self._revoked: set[str] = set()  # revoked at the open step and silent since
 
     @classmethod
     def of(cls, spec: RunSpec, step: int) -> Ledger:
@@ -194,7 +207,41 @@ class Ledger:
             share.allotted = share.samples
             share.computing = False
             share.samples_per_s = 0.0
+        share.done_at = -1.0  # (not one of the peers done with the step: it stopped)
+        self._revoked.add(peer_id)
         return owed
+
+    def written_off(self, peer_id: str) -> bool:
+        """Revoked at the open step, silent since, holding nothing of it: no round waits for its ready call."""
+        share = self._shares.get(peer_id)
+        return peer_id in self._revoked and share is not None and share.samples == 0
+
+    def overdue(self, now: float) -> list[str]:
+        """The peers late at the open step (the module docstring's rule); none until a peer is done with it."""
+        finished = [s for s in self._shares.values() if s.step == self.step and s.done_at >= 0]
+        if not finished:
+            return []
+        last_done = max(s.done_at for s in finished)
+        took = max(s.done_at - s.step_since for s in finished)
+        if now - last_done < max(LATE_GRACE_S, (LATE_FACTOR - 1) * took):
+            return []
+        late = []
+        for peer_id, s in self._shares.items():
+            owed = s.allotted - s.samples
+            if s.step != self.step or not s.computing or owed <= 0 or s.samples_per_s <= 0:
+                continue
+            reported = max(s.counted_at, s.step_since)
+            if now - reported >= LATE_FACTOR * owed / s.samples_per_s + LATE_GRACE_S:
+                late.append(peer_id)
+        return late
+
+    def _mark_done(self, share: Share, now: float) -> None:
+        """Note when a share reached its allotment of the open step (and forget it if it owes samples again)."""
+        if share.step == self.step and 0 < share.allotted <= share.samples:
+            if share.done_at < 0:
+                share.done_at = now
+        else:
+            share.done_at = -1.0
 
     def recount(self) -> Tally:
         """The tally summed afresh over every share (what the kept one must equal)."""
@@ -230,6 +277,9 @@ class Ledger:
                 share.computing = computing
             share.samples_per_s = samples_per_s
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
+        self._revoked.discard(peer_id)  # it spoke
+        if step_open:
+            self._mark_done(share, now)
         share.ahead_share = self._ahead_share(share) if self.delay else None
         return share
 
@@ -238,6 +288,7 @@ class Ledger:
         for the step's samples too). Its samples computed ahead are kept for the next step (:meth:`advance`),
         no more than the weight or the peer's ahead share, whichever is larger, nor the share cap."""
         share = self._shares.get(peer_id)
+        self._revoked.discard(peer_id)
         if share is None:
             self._ahead[peer_id] = (0, now)
             return 0
@@ -252,6 +303,7 @@ class Ledger:
     def reopen(self) -> None:
         """The step opens again (no round formed): what its ready calls said was computed ahead is void."""
         self._ahead = {}
+        self._revoked = set()
 
     # ------------------------------------------------------------ what peers are told
 
@@ -369,7 +421,7 @@ class Ledger:
         on without waiting for a heartbeat's answer."""
         self.step += 1
         self.tally = self.recount()
-        ahead, self._ahead = self._ahead, {}
+        ahead, self._ahead, self._revoked = self._ahead, {}, set()
         shares = [(peer_id, self._shares[peer_id]) for peer_id in moved]
         # those done with the step compute ahead (delay 1), up to their ahead share, until they hear of this
         # round: more than their ready call said, so their allotment holds that share (see _allot_ahead)
@@ -387,6 +439,9 @@ class Ledger:
             with self._changing(share):
                 share.allotted = self._allot(share)
         self._allot_free([s for _, s in shares])
+        for _, share in shares:
+            share.done_at = -1.0
+            self._mark_done(share, now)
 
     def _allot_ahead(self, computing_ahead: list[tuple[Share, float]], now: float) -> None:
         """A peer that computes ahead is allotted what it may have computed since its ready call (said at
