@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-fast lint bench reliability clean browser
+.PHONY: demo test test-fast lint bench reliability clean browser nat-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,18 @@ browser:
 	    echo "could not install chromium; the web page's tests will fail"; \
 	  else echo "no chromium: the web page's tests will fail (apt-get install -y chromium)"; fi; }
 
-test: $(VENV)/.installed browser
+# The home routers of the NAT tests (tests/netns.py) masquerade with nftables, installed here as root.
+nat-tools:
+	@command -v nft >/dev/null 2>&1 || \
+	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nftables (for the home routers of the NAT tests)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null || \
+	    { apt-get update -q >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null; } || \
+	    echo "could not install nftables; the NAT tests will fail"; \
+	  else echo "no nft: the NAT tests will fail (apt-get install -y nftables)"; fi; }
+
+test: $(VENV)/.installed browser nat-tools
 	$(PY) -m pytest -q
 
 test-fast: $(VENV)/.installed

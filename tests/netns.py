@@ -7,8 +7,16 @@ Hosts are 10.213.Y.2, .3, ... on a /24; the bridge has no address, so the root n
 has no route to the hosts and talks to them only through programs run inside them (:meth:`Host.popen`,
 :meth:`Host.run`). The kernel here has no netem, so links are unshaped.
 
+**Homes** (``Network(hosts, homes=[...])``): a host named in ``homes`` sits behind a home router of its own, a
+namespace ``{host}-gw`` whose ``eth0`` is on the bridge (the home's public address, :attr:`Host.public_ip`)
+and whose ``lan0`` is the home's LAN. Every home is 192.168.1.2 on 192.168.1.0/24 behind its router's
+192.168.1.1, as real homes are. The router forwards and masquerades what the home sends out (``nft``) and
+drops every connection begun from outside, like a home router without port forwarding: others reach a home
+only on connections the home opened.
+
 Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`netns_unavailable_reason` says
-why not, and :data:`requires_netns` skips a test then.
+why not, and :data:`requires_netns` skips a test then. Homes need ``nft`` too (``make test`` installs Debian's
+nftables as root); without it a test with homes fails with the command that installs it.
 
 Everything made is named after this process's id, so concurrent test processes never collide, and removed on
 exit from the ``with`` block, also when setup fails halfway or the test raises (an ``atexit`` hook catches
@@ -38,6 +46,30 @@ from typing import IO, Any
 import pytest
 
 IP = shutil.which("ip") or "/usr/sbin/ip"  # absolute: a caller's env without PATH must not hide it
+NFT = shutil.which("nft") or "/usr/sbin/nft"
+HOME_LAN = "192.168.1"  # every home's LAN: the home is .2, its router .1
+# A home router: masquerade what leaves for the internet (eth0); forward what the home began and the answers to
+# it, nothing begun from outside; the router itself answers nothing from outside.
+HOME_ROUTER_RULES = """\
+table ip nat {
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "eth0" masquerade
+    }
+}
+table inet filter {
+    chain forward {
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" oifname "eth0" accept
+    }
+    chain input {
+        type filter hook input priority filter; policy drop;
+        ct state established,related accept
+        iifname { "lo", "lan0" } accept
+    }
+}
+"""
 STOP_GRACE_S = 5.0
 IP_TIMEOUT_S = 30.0
 
@@ -71,11 +103,14 @@ def _ip_quiet(*args: str) -> None:
 
 @dataclass(eq=False)
 class Host:
-    """One namespace on the network: ``name`` as given, ``ns`` the namespace, ``ip`` its address on eth0."""
+    """One namespace on the network: ``name`` as given, ``ns`` the namespace, ``ip`` its address on eth0; a
+    home's ``public_ip`` is its router's address on the bridge (None: the host is on the bridge itself)."""
 
     name: str
     ns: str
     ip: str
+    public_ip: str | None = None
+    router_ns: str | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
     def popen(
@@ -137,20 +172,33 @@ class Host:
 class Network:
     """``with Network(hosts=["tracker", "v1"]) as net:`` — ``net.hosts["v1"]`` is a :class:`Host`."""
 
-    def __init__(self, hosts: Sequence[str], *, stop_grace_s: float = STOP_GRACE_S) -> None:
+    def __init__(
+        self, hosts: Sequence[str], *, homes: Sequence[str] = (), stop_grace_s: float = STOP_GRACE_S
+    ) -> None:
         names = list(hosts)
         if not names or len(names) > _MAX_HOSTS or len(set(names)) != len(names):
             raise ValueError(f"hosts must be 1 to {_MAX_HOSTS} distinct names, got {names!r}")
         if bad := [n for n in names if not _HOST_NAME_RE.fullmatch(n)]:
             raise ValueError(f"host names must be 1-32 of [A-Za-z0-9_-], got {bad!r}")
+        if stray := set(homes) - set(names):
+            raise ValueError(f"homes must be hosts of the network, not {sorted(stray)!r}")
         pid, n = os.getpid(), next(_counter) % 1000
         self.subnet = f"10.213.{(pid + n) % 256}"  # no route from here, so overlaps are harmless anyway
         self.bridge = f"ct{pid:06x}{n}b"
+        # on the bridge: each host not behind a router, and each home's router (with the home's public address)
+        on_bridge = [f"{h}-gw" if h in homes else h for h in names]
+        public = {name: f"{self.subnet}.{i + 2}" for i, name in enumerate(names)}
         self.hosts = {
-            name: Host(name, ns=f"ct-{pid:06x}-{n}-{name}", ip=f"{self.subnet}.{i + 2}")
-            for i, name in enumerate(names)
+            name: Host(
+                name,
+                ns=f"ct-{pid:06x}-{n}-{name}",
+                ip=f"{HOME_LAN}.2" if name in homes else public[name],
+                public_ip=public[name] if name in homes else None,
+                router_ns=f"ct-{pid:06x}-{n}-{name}-gw" if name in homes else None,
+            )
+            for name in names
         }
-        self._ports = {name: f"ct{pid:06x}{n}v{i}" for i, name in enumerate(names)}
+        self._ports = {name: f"ct{pid:06x}{n}v{i}" for i, name in enumerate(on_bridge)}
         self.stop_grace_s = stop_grace_s
         self._made_links: list[str] = []
         self._made_namespaces: list[str] = []
@@ -173,15 +221,49 @@ class Network:
         self._made_links.append(self.bridge)
         _ip("link", "set", self.bridge, "up")
         for name, host in self.hosts.items():
-            port = self._ports[name]
-            _ip("netns", "add", host.ns)
-            self._made_namespaces.append(host.ns)
-            _ip("-n", host.ns, "link", "set", "lo", "up")
-            _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
-            self._made_links.append(port)
-            _ip("link", "set", port, "master", self.bridge, "up")
-            _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
-            _ip("-n", host.ns, "link", "set", "eth0", "up")
+            if host.router_ns is None:
+                self._attach(host.ns, self._ports[name], host.ip)
+                continue
+            assert host.public_ip is not None
+            self._attach(host.router_ns, self._ports[f"{name}-gw"], host.public_ip)
+            self._home(host)
+
+    def _attach(self, ns: str, port: str, ip: str) -> None:
+        """A namespace with ``lo`` up and ``eth0`` at ``ip`` on the bridge."""
+        _ip("netns", "add", ns)
+        self._made_namespaces.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        self._made_links.append(port)
+        _ip("link", "set", port, "master", self.bridge, "up")
+        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+
+    def _home(self, host: Host) -> None:
+        """``host`` behind its router (already on the bridge): the LAN between them, the router's rules."""
+        router = host.router_ns
+        assert router is not None
+        if not shutil.which("nft"):
+            raise NetnsError("home routers need the `nft` command: apt-get install -y nftables")
+        _ip("netns", "add", host.ns)
+        self._made_namespaces.append(host.ns)
+        _ip("-n", host.ns, "link", "set", "lo", "up")
+        _ip("-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+        _ip("-n", router, "addr", "add", f"{HOME_LAN}.1/24", "dev", "lan0")
+        _ip("-n", router, "link", "set", "lan0", "up")
+        _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
+        _ip("-n", host.ns, "link", "set", "eth0", "up")
+        _ip("-n", host.ns, "route", "add", "default", "via", f"{HOME_LAN}.1")
+        for command in (["sysctl", "-qw", "net.ipv4.ip_forward=1"], [NFT, "-f", "-"]):
+            done = subprocess.run(
+                [IP, "netns", "exec", router, *command],
+                input=HOME_ROUTER_RULES if command[0] == NFT else None,
+                capture_output=True,
+                text=True,
+                timeout=IP_TIMEOUT_S,
+            )
+            if done.returncode != 0:
+                raise NetnsError(f"`{' '.join(command)}` in {router} failed: {done.stderr.strip()}")
 
     def close(self) -> None:
         """Stop every process started in the hosts, then remove every link and namespace made. Idempotent."""
@@ -279,3 +361,4 @@ requires_netns = pytest.mark.skipif(
     netns_unavailable_reason() is not None,
     reason=f"needs network namespaces: {netns_unavailable_reason()}",
 )
+

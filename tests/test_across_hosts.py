@@ -3,7 +3,8 @@ bridge, see tests/netns.py), every one started with the README's own commands an
 
 (a) four volunteers, the last one late: every volunteer takes the steps, chunks pass between volunteers,
     the late one loads the state from a donor on another host;
-(b) the same with every volunteer but one in ``--client-mode``;
+(b) the same with every volunteer but one at home behind a NAT router (nft masquerade, nothing gets in): the
+    tracker finds it cannot reach them and says so, and they train as senders through the one reachable one;
 (c) every volunteer in ``--client-mode``: no round is formed or fails, nobody's parameters are reset, the
     run's step stays at 0, and the volunteers and ``crowdtrain status`` say why in one sentence.
 
@@ -229,10 +230,13 @@ def steps_taken(v: Cli, end: int) -> tuple[int, int]:
     return len(done), end - start
 
 
-def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], averaging: str = "") -> None:
+def run_with_a_late_volunteer(
+    net: Network, tmp: Path, client_mode: set[str], averaging: str = "", nat: set[str] = frozenset()
+) -> None:
+    """``nat``: volunteers at home behind a router (``Network(homes=...)``), started with no flag."""
     # (a) seeds as the README shows (registering with the admin token); (b) seeds without the token, the run
     # having made the tracker serve the data set
-    pub = Published(net, tmp, seed_with_token=not client_mode, averaging=averaging)
+    pub = Published(net, tmp, seed_with_token=not (client_mode or nat), averaging=averaging)
     names = ["v1", "v2", "v3", "v4"]
     flags = {n: ["--client-mode"] if n in client_mode else [] for n in names}
     vols = {n: pub.join(net.hosts[n], tmp, *flags[n]) for n in names[:3]}
@@ -258,9 +262,14 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], av
         reach = reachability(v)
         if n in client_mode:
             assert reach["address"] is None and reach["asked_client_mode"]
+        elif n in nat:  # told: the tracker tried its public address (its router's) and got no answer
+            public = net.hosts[n].public_ip
+            assert reach["reachable"] is not True and not reach["asked_client_mode"], reach
+            assert reach["bt_address"].startswith(f"{public}:") and reach["bt_reachable"] is False, reach
         else:
             assert reach["address"].startswith(net.hosts[n].ip + ":") and reach["reachable"] is True, reach
-        assert reach["bt_address"].startswith(net.hosts[n].ip + ":") and reach["bt_reachable"] is True, reach
+        if n not in nat:
+            assert reach["bt_address"].startswith(net.hosts[n].ip + ":") and reach["bt_reachable"], reach
         taken, present = steps_taken(v, end)
         assert present > 0 and taken >= 0.9 * present, f"{n} took {taken} of {present} steps:\n{v.tail()}"
         # no round failed while the run was going (one in flight when they were stopped may)
@@ -271,7 +280,7 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], av
     # the late one loaded the state from donors on other hosts
     # (a second fetch happens when steps passed unseen while the first one downloaded)
     loads = vols["v4"].of("StateLoaded")
-    host_of = {ids[n]: net.hosts[n].ip for n in names[:3] if n not in client_mode}  # the serving ones
+    host_of = {ids[n]: net.hosts[n].ip for n in names[:3] if n not in client_mode | nat}  # the serving ones
     assert loads and all(loaded["donors_used"] for loaded in loads), loads
     for donor in (d for loaded in loads for d in loaded["donors_used"]):  # "PEER_ID at HOST:PORT"
         peer_id, _, address = donor.partition(" at ")
@@ -286,9 +295,12 @@ def run_with_a_late_volunteer(net: Network, tmp: Path, client_mode: set[str], av
         [line] = [line for line in status.splitlines() if ids[n] in line] or [f"{n} ({ids[n]}) missing"]
         if n in client_mode:
             assert line.endswith("client mode (declared no address)"), status
+        elif n in nat:
+            assert "not reachable" in line, status
         else:
             assert f"reachable at {net.hosts[n].ip}:" in line and "not reachable" not in line, status
-        assert re.search(r"\d  reachable  ", line), status  # its BitTorrent port too (after the chunks)
+        if n not in nat:
+            assert re.search(r"\d  reachable  ", line), status  # its BitTorrent port too (after the chunks)
 
 
 def test_four_volunteers_on_four_hosts_train_together_started_as_the_readme_says(tmp_path):
@@ -303,21 +315,27 @@ def test_four_volunteers_on_four_hosts_train_together_with_delayed_updates(tmp_p
         run_with_a_late_volunteer(net, tmp_path, client_mode=set(), averaging="delay = 1\n")
 
 
-def test_all_but_one_volunteer_in_client_mode_still_train_together(tmp_path):
-    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
-        run_with_a_late_volunteer(net, tmp_path, client_mode={"v2", "v3", "v4"})
+HOMES = {"v2", "v3", "v4"}
 
 
-def test_in_local_steps_volunteers_in_client_mode_send_only_and_a_late_one_catches_up(tmp_path):
+def test_one_reachable_volunteer_and_three_behind_home_routers_train_together(tmp_path):
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"], homes=HOMES) as net:
+        run_with_a_late_volunteer(net, tmp_path, client_mode=set(), nat=HOMES)
+
+
+def test_in_local_steps_volunteers_behind_home_routers_send_only_and_a_late_one_catches_up(tmp_path):
     """Local-steps mode (``inner_steps = 2``): the NAT'd volunteers own no part and serve no state, the one
     reachable volunteer owns every part and serves the outer state the late one catches up to."""
-    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"], homes=HOMES) as net:
         run_with_a_late_volunteer(
-            net,
-            tmp_path,
-            client_mode={"v2", "v3", "v4"},
-            averaging="inner_steps = 2\ninner_batch_size = 32\n",
+            net, tmp_path, client_mode=set(), nat=HOMES, averaging="inner_steps = 2\ninner_batch_size = 32\n"
         )
+
+
+def test_volunteers_in_client_mode_by_choice_train_through_the_reachable_one(tmp_path):
+    """``--client-mode`` on hosts the tracker could reach: they declare no address and own no part."""
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"]) as net:
+        run_with_a_late_volunteer(net, tmp_path, client_mode={"v2", "v3", "v4"})
 
 
 def test_a_run_with_no_reachable_volunteer_waits_and_says_why(tmp_path):

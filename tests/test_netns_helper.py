@@ -48,7 +48,7 @@ def leftovers(net: Network) -> tuple[set[str], set[str]]:
     namespaces = {line.split(" ", 1)[0] for line in listed.splitlines()}
     shown = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     links = {line.split(": ")[1].split("@")[0] for line in shown.splitlines()}
-    ours_ns = {h.ns for h in net.hosts.values()}
+    ours_ns = {h.ns for h in net.hosts.values()} | {h.router_ns for h in net.hosts.values() if h.router_ns}
     ours_links = {net.bridge, *net._ports.values()}
     return namespaces & ours_ns, links & ours_links
 
@@ -139,3 +139,32 @@ def test_leftovers_of_a_killed_test_process_are_removed_by_the_next_network(tmp_
     assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert bridge not in links and port not in links
+
+
+def test_a_home_behind_its_router_reaches_out_masqueraded_and_nothing_reaches_in(tmp_path):
+    """Two homes behind routers doing nft masquerade, both 192.168.1.2 as real homes are: a home fetches
+    from a server, which sees the home's public address; neither the server nor the other home gets in."""
+    with Network(hosts=["server", "h1", "h2"], homes=["h1", "h2"]) as net:
+        server, h1, h2 = net.hosts["server"], net.hosts["h1"], net.hosts["h2"]
+        assert h1.ip == h2.ip == "192.168.1.2" and server.public_ip is None
+        assert h1.public_ip and h2.public_ip and len({server.ip, h1.public_ip, h2.public_ip}) == 3
+        log = tmp_path / "served.log"
+        with log.open("w") as served_to:  # the server's access log: who it saw
+            for host in (server, h1):
+                host.popen(
+                    [sys.executable, "-m", "http.server", "--bind", "0.0.0.0", str(PORT)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=served_to if host is server else subprocess.DEVNULL,
+                )
+        out = fetch(h1, f"http://{server.ip}:{PORT}/", wait=True)
+        assert (out.returncode, out.stdout.strip()) == (0, "200"), out
+        at_home = fetch(h1, f"http://127.0.0.1:{PORT}/", wait=True)  # (h1's own server is up)
+        assert at_home.returncode == 0, at_home
+        for source in (server, h2):
+            blocked = fetch(source, f"http://{h1.public_ip}:{PORT}/")
+            assert blocked.returncode == 1, blocked
+            private = fetch(source, f"http://{h1.ip}:{PORT}/")  # (h2's own 192.168.1.2 has nothing on PORT)
+            assert private.returncode == 1, private
+    assert leftovers(net) == (set(), set())
+    served = log.read_text()
+    assert f"{h1.public_ip} - -" in served and "192.168.1.2" not in served, served
