@@ -361,4 +361,3 @@ requires_netns = pytest.mark.skipif(
     netns_unavailable_reason() is not None,
     reason=f"needs network namespaces: {netns_unavailable_reason()}",
 )
-
