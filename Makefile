@@ -37,16 +37,18 @@ browser:
 	    echo "could not install chromium; the web page's tests will fail"; \
 	  else echo "no chromium: the web page's tests will fail (apt-get install -y chromium)"; fi; }
 
-# The home routers of the NAT tests (tests/netns.py) masquerade with nftables, installed here as root.
+# The home routers of the NAT tests (tests/netns.py) masquerade with nftables, and the UPnP ones run
+# miniupnpd: Debian's packages, installed here as root.
+NAT_PACKAGES := nftables miniupnpd-nftables
 nat-tools:
-	@command -v nft >/dev/null 2>&1 || \
+	@command -v nft >/dev/null 2>&1 && command -v miniupnpd >/dev/null 2>&1 || \
 	{ if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing nftables (for the home routers of the NAT tests)"; \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null || \
+	    echo "installing nftables and miniupnpd (for the home routers of the NAT tests)"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(NAT_PACKAGES) >/dev/null || \
 	    { apt-get update -q >/dev/null && \
-	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends nftables >/dev/null; } || \
-	    echo "could not install nftables; the NAT tests will fail"; \
-	  else echo "no nft: the NAT tests will fail (apt-get install -y nftables)"; fi; }
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(NAT_PACKAGES) >/dev/null; } || \
+	    echo "could not install $(NAT_PACKAGES); the NAT tests will fail"; \
+	  else echo "no nft or miniupnpd: the NAT tests will fail (apt-get install -y $(NAT_PACKAGES))"; fi; }
 
 test: $(VENV)/.installed browser nat-tools
 	$(PY) -m pytest -q

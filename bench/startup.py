@@ -28,7 +28,7 @@ async def one(run, data_dir: Path, steps: int) -> tuple[float, float | None]:
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "crowdtrain", "join", run.spec.run_id, "--tracker", run.tracker.url,
-        "--json", "--data-dir", str(data_dir), "--max-steps", str(steps),
+        "--json", "--data-dir", str(data_dir), "--max-steps", str(steps), "--host", "127.0.0.1",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip

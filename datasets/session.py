@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import random
@@ -71,6 +72,9 @@ class SessionConfig:
     scan_interval_s: float = 1.0  # how often file progress and per-peer stats are polled
     check_timeout_s: float = 300.0  # adding a torrent and checking the files on disk
     close_timeout_s: float = 10.0  # saving resume data on close
+    # ask the router (UPnP-IGD and NAT-PMP) to forward the listen port, and the ports given to
+    # :meth:`TorrentSession.map_port`, as BitTorrent clients do; never from a loopback listener
+    port_mapping: bool = False
 
     def __post_init__(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -86,6 +90,25 @@ class SessionConfig:
         for name in ("scan_interval_s", "check_timeout_s", "close_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, "must be a positive number of seconds")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listen interface) is a loopback address: nothing there is behind a router."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost"
+
+
+@dataclass(frozen=True, slots=True)
+class PortMap:
+    """What a router answered to one port mapping: ``external_port`` on success, else ``error``."""
+
+    what: str  # "BitTorrent" (the session's listen port) or the name given to map_port
+    port: int  # the local port
+    via: str  # "UPnP" or "NAT-PMP"
+    external_port: int | None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +134,17 @@ def _settings(cfg: SessionConfig, fingerprint: str) -> lt.settings_pack:
         | lt.alert_category.storage
         | lt.alert_category.tracker
         | lt.alert_category.file_progress
+        | lt.alert_category.port_mapping
     )
+    # (a loopback listener has no router: it sends no discovery packets at all)
+    mapping = cfg.port_mapping and not is_loopback(cfg.listen.rpartition(":")[0])
     return {
         "listen_interfaces": cfg.listen,
         "outgoing_interfaces": "",
         "enable_dht": False,
         "enable_lsd": False,
-        "enable_upnp": False,
-        "enable_natpmp": False,
+        "enable_upnp": mapping,
+        "enable_natpmp": mapping,
         "enable_outgoing_utp": False,
         "enable_incoming_utp": False,
         "allow_multiple_connections_per_ip": True,
@@ -351,6 +377,9 @@ class TorrentSession:
         self._pump: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._closing = False
+        self._mapped: dict[int, tuple[str, int]] = {}  # libtorrent's mapping index -> (what, local port)
+        self.port_maps: dict[tuple[str, str], PortMap] = {}  # (what, via) -> the router's last answer
+        self.on_port_map: Callable[[PortMap], None] | None = None  # called with each new answer
 
     # -------------------------------------------------------------- lifecycle
 
@@ -433,12 +462,44 @@ class TorrentSession:
                     self._pump.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await self._pump
+            for index in self._mapped:  # (libtorrent also removes its own listen port's mappings)
+                self._ses.delete_port_mapping(index)
+            self._mapped.clear()
             holder, self._ses = [self._ses], None
             self._downloads.clear()
             # the last reference goes away in the worker thread: libtorrent's destructor blocks while it
             # sends the "stopped" announces, which a tracker on this very event loop must be free to answer
             await asyncio.to_thread(_shutdown, holder)
         self._raise_failure()
+
+    # -------------------------------------------------------------- port mapping
+
+    @property
+    def port_mapping(self) -> bool:
+        """Whether this session asks the router for mappings (the config's ``port_mapping``, not on loopback)."""
+        return bool(self._session().get_settings()["enable_upnp"])
+
+    def map_port(self, what: str, port: int) -> None:
+        """Ask the router to forward TCP ``port`` (the same port outside) to this machine while the session
+        lives; answers arrive in :attr:`port_maps` and :attr:`on_port_map`. Nothing when mapping is off."""
+        if not self.port_mapping:
+            return
+        for index in self._session().add_port_mapping(lt.portmap_protocol.tcp, port, port):
+            self._mapped[int(index)] = (what, port)
+
+    def _on_port_map(self, alert: lt.portmap_alert | lt.portmap_error_alert) -> None:
+        via = "NAT-PMP" if alert.map_transport == lt.portmap_transport.natpmp else "UPnP"
+        what, port = self._mapped.get(int(alert.mapping), ("BitTorrent", self.listen_port))
+        if isinstance(alert, lt.portmap_alert):
+            if alert.map_protocol != lt.portmap_protocol.tcp:
+                return  # (libtorrent maps its UDP port too; crowdtrain's BitTorrent speaks TCP only)
+            answer = PortMap(what, port, via, int(alert.external_port))
+        else:
+            answer = PortMap(what, port, via, None, alert.error.message())
+        if self.port_maps.get((what, via)) != answer:
+            self.port_maps[(what, via)] = answer
+            if self.on_port_map is not None:
+                self.on_port_map(answer)
 
     # -------------------------------------------------------------- adding torrents
 
@@ -569,6 +630,9 @@ class TorrentSession:
     async def _dispatch(self, alert: lt.alert) -> None:
         if isinstance(alert, lt.alerts_dropped_alert):
             log.warning("libtorrent dropped alerts; a file-progress scan will catch up")
+            return
+        if isinstance(alert, lt.portmap_alert | lt.portmap_error_alert):
+            self._on_port_map(alert)
             return
         dl = self._download_of(alert)
         if dl is not None:

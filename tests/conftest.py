@@ -14,6 +14,13 @@ import pytest
 # "AST constructor recursion depth mismatch". Importing hypothesis here keeps every parse at start-up.
 
 
+# `crowdtrain join` asks the home router for port mappings by default (UPnP SSDP multicast, NAT-PMP to the
+# gateway). On this machine traffic may go only to loopback and to hosts in namespaces the suite made, so every
+# volunteer the suite starts has it off (the join option's environment form), except those started on purpose
+# behind a UPnP router in a namespace (tests/test_port_mapping.py), which unset it.
+os.environ["CROWDTRAIN_PORT_MAPPING"] = "0"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",

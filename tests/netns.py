@@ -12,7 +12,10 @@ namespace ``{host}-gw`` whose ``eth0`` is on the bridge (the home's public addre
 and whose ``lan0`` is the home's LAN. Every home is 192.168.1.2 on 192.168.1.0/24 behind its router's
 192.168.1.1, as real homes are. The router forwards and masquerades what the home sends out (``nft``) and
 drops every connection begun from outside, like a home router without port forwarding: others reach a home
-only on connections the home opened.
+only on connections the home opened. A home also named in ``upnp`` has Debian's ``miniupnpd`` on its router
+(UPnP-IGD and NAT-PMP on the LAN side only): it forwards the ports the home asks for, as most home routers do.
+Its answers are in :meth:`Network.forwards`. With UPnP homes the bridge takes a public-looking subnet (44.213.x;
+miniupnpd refuses to map ports behind a private WAN address); it is a bridge with no route out, as always.
 
 Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and ``ip`` (iproute2); :func:`netns_unavailable_reason` says
 why not, and :data:`requires_netns` skips a test then. Homes need ``nft`` too (``make test`` installs Debian's
@@ -38,9 +41,12 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 import pytest
@@ -50,18 +56,31 @@ NFT = shutil.which("nft") or "/usr/sbin/nft"
 HOME_LAN = "192.168.1"  # every home's LAN: the home is .2, its router .1
 # A home router: masquerade what leaves for the internet (eth0); forward what the home began and the answers to
 # it, nothing begun from outside; the router itself answers nothing from outside.
+# The chains named *miniupnpd are where a UPnP router's daemon adds the forwards it grants (empty otherwise).
 HOME_ROUTER_RULES = """\
-table ip nat {
+table inet nat {
+    chain prerouting {
+        type nat hook prerouting priority dstnat; policy accept;
+        jump prerouting_miniupnpd
+    }
     chain postrouting {
         type nat hook postrouting priority srcnat; policy accept;
+        jump postrouting_miniupnpd
         oifname "eth0" masquerade
+    }
+    chain prerouting_miniupnpd {
+    }
+    chain postrouting_miniupnpd {
     }
 }
 table inet filter {
     chain forward {
         type filter hook forward priority filter; policy drop;
         ct state established,related accept
+        jump miniupnpd
         iifname "lan0" oifname "eth0" accept
+    }
+    chain miniupnpd {
     }
     chain input {
         type filter hook input priority filter; policy drop;
@@ -173,7 +192,12 @@ class Network:
     """``with Network(hosts=["tracker", "v1"]) as net:`` — ``net.hosts["v1"]`` is a :class:`Host`."""
 
     def __init__(
-        self, hosts: Sequence[str], *, homes: Sequence[str] = (), stop_grace_s: float = STOP_GRACE_S
+        self,
+        hosts: Sequence[str],
+        *,
+        homes: Sequence[str] = (),
+        upnp: Sequence[str] = (),
+        stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
         names = list(hosts)
         if not names or len(names) > _MAX_HOSTS or len(set(names)) != len(names):
@@ -182,8 +206,13 @@ class Network:
             raise ValueError(f"host names must be 1-32 of [A-Za-z0-9_-], got {bad!r}")
         if stray := set(homes) - set(names):
             raise ValueError(f"homes must be hosts of the network, not {sorted(stray)!r}")
+        if stray := set(upnp) - set(homes):
+            raise ValueError(f"upnp routers are homes' routers: {sorted(stray)!r} are not homes")
         pid, n = os.getpid(), next(_counter) % 1000
-        self.subnet = f"10.213.{(pid + n) % 256}"  # no route from here, so overlaps are harmless anyway
+        # no route from here, so overlaps are harmless anyway
+        self.subnet = f"{44 if upnp else 10}.213.{(pid + n) % 256}"
+        self.upnp = list(upnp)
+        self.tmp = Path(tempfile.mkdtemp(prefix="ct-netns-")) if upnp else None
         self.bridge = f"ct{pid:06x}{n}b"
         # on the bridge: each host not behind a router, and each home's router (with the home's public address)
         on_bridge = [f"{h}-gw" if h in homes else h for h in names]
@@ -202,6 +231,7 @@ class Network:
         self.stop_grace_s = stop_grace_s
         self._made_links: list[str] = []
         self._made_namespaces: list[str] = []
+        self._daemons: list[subprocess.Popen] = []  # the UPnP routers' miniupnpd
 
     def __enter__(self) -> Network:
         _open_networks.add(self)
@@ -227,6 +257,56 @@ class Network:
             assert host.public_ip is not None
             self._attach(host.router_ns, self._ports[f"{name}-gw"], host.public_ip)
             self._home(host)
+            if name in self.upnp:
+                self._start_upnp(host)
+
+    def _start_upnp(self, host: Host) -> None:
+        """miniupnpd on ``host``'s router, answering on its LAN; waits until it listens for NAT-PMP."""
+        assert self.tmp is not None and host.router_ns is not None
+        if not shutil.which("miniupnpd"):
+            raise NetnsError("UPnP routers need miniupnpd: apt-get install -y miniupnpd-nftables")
+        conf = self.tmp / f"{host.name}-miniupnpd.conf"
+        conf.write_text(
+            "ext_ifname=eth0\nlistening_ip=lan0\n"
+            + "enable_natpmp=yes\nenable_upnp=yes\nsecure_mode=yes\nsystem_uptime=yes\n"
+            + "upnp_table_name=filter\nupnp_nat_table_name=nat\nupnp_forward_chain=miniupnpd\n"
+            + "upnp_nat_chain=prerouting_miniupnpd\nupnp_nat_postrouting_chain=postrouting_miniupnpd\n"
+            + f"uuid={uuid.uuid4()}\n"
+            + f"allow 1024-65535 {HOME_LAN}.0/24 1024-65535\ndeny 0-65535 0.0.0.0/0 0-65535\n"
+        )
+        log = (self.tmp / f"{host.name}-miniupnpd.log").open("w")
+        daemon = subprocess.Popen(
+            [IP, "netns", "exec", host.router_ns, "miniupnpd", "-d", "-f", str(conf), "-P",
+             str(self.tmp / f"{host.name}-miniupnpd.pid")],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        self._daemons.append(daemon)
+        deadline = time.monotonic() + 10
+        while "Listening for NAT-PMP" not in (self.tmp / f"{host.name}-miniupnpd.log").read_text():
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise NetnsError(
+                    f"miniupnpd did not start on {host.name}'s router: {self.upnp_log(host.name)}"
+                )
+            time.sleep(0.05)
+
+    def upnp_log(self, home: str) -> str:
+        """What ``home``'s router's miniupnpd printed so far."""
+        assert self.tmp is not None
+        path = self.tmp / f"{home}-miniupnpd.log"
+        return path.read_text() if path.exists() else ""
+
+    def forwards(self, home: str) -> list[str]:
+        """The port forwards ``home``'s router holds now (its miniupnpd's nft rules), one line each."""
+        router = self.hosts[home].router_ns
+        assert router is not None
+        done = subprocess.run(
+            [IP, "netns", "exec", router, NFT, "list", "chain", "inet", "nat", "prerouting_miniupnpd"],
+            capture_output=True, text=True, timeout=IP_TIMEOUT_S,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise NetnsError(f"nft on {home}'s router failed: {done.stderr.strip()}")
+        return [line.strip() for line in done.stdout.splitlines() if "dnat" in line]
 
     def _attach(self, ns: str, port: str, ip: str) -> None:
         """A namespace with ``lo`` up and ``eth0`` at ``ip`` on the bridge."""
@@ -270,6 +350,8 @@ class Network:
         try:
             procs = [p for host in self.hosts.values() for p in host._procs]
             _stop(procs, self.stop_grace_s)
+            _stop(self._daemons, self.stop_grace_s)
+            self._daemons.clear()
             for host in self.hosts.values():
                 host._procs.clear()
             for ns in self._made_namespaces:
@@ -281,6 +363,8 @@ class Network:
                 _ip_quiet("netns", "del", ns)
             self._made_links.clear()
             self._made_namespaces.clear()
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
         finally:
             _open_networks.discard(self)
 

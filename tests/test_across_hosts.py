@@ -63,9 +63,9 @@ group_size = 4
 class Cli:
     """One ``crowdtrain`` process on a host; its stdout lines (and JSON events) collected by a thread."""
 
-    def __init__(self, host: Host, home: Path, *args: str) -> None:
+    def __init__(self, host: Host, home: Path, *args: str, unset: tuple[str, ...] = ()) -> None:
         home.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("XDG_") and k not in unset}
         # PYTHONFAULTHANDLER: a process that does not exit in time is sent SIGABRT and prints every thread's
         # stack, so the failure says where it hung
         env.update(
@@ -192,8 +192,10 @@ class Published:
             self.seeder = Cli(seeder_host, self.home, *seed)
             self.seeder.wait_for("seeding", lambda: self.seeder.of("Seeding"), 60)
 
-    def join(self, host: Host, tmp: Path, *extra: str) -> Cli:
-        return Cli(host, tmp / host.name, "join", self.run_id, "--tracker", self.url, "--json", *extra)
+    def join(self, host: Host, tmp: Path, *extra: str, unset: tuple[str, ...] = ()) -> Cli:
+        return Cli(
+            host, tmp / host.name, "join", self.run_id, "--tracker", self.url, "--json", *extra, unset=unset
+        )
 
     def status(self, host: Host) -> str:
         done = host.run(

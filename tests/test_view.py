@@ -142,6 +142,7 @@ def script() -> list[ev.Event]:
             bt_reachable=False,
             asked_client_mode=False,
         ),
+        ev.PortMapped(t=T0 + 33, what="peer server", port=40123, via="UPnP", external_port=40123),
         ev.RunNotice(t=T0 + 33, message="the tracker found a problem with this run"),
         ev.Left(t=T0 + 65, reason="interrupted"),
     ]
@@ -566,6 +567,7 @@ def expected_plain() -> list[str]:
             "127.0.0.1:6881 (chunks still arrive over outgoing connections; to serve them to others, forward "
             "TCP 6881 and pass --bt-port 6881)",
         ),
+        (33, "the router forwards TCP 40123 to this machine's peer server (UPnP)"),
         (33, "WARNING the tracker found a problem with this run"),
         (65, "left the run: interrupted"),
     ]
@@ -973,3 +975,19 @@ def test_local_steps_mode_is_named_on_joining_and_the_round_counts_its_inner_ste
     assert has(text, "this step 8 samples") and "this round" not in text
     for event in rounds:
         assert parse_json_line(json_line(event)) == event
+
+
+def test_port_mapping_answers_read_as_sentences():
+    granted = ev.PortMapped(t=T0, what="peer server", port=41234, via="UPnP", external_port=41234)
+    moved = ev.PortMapped(t=T0, what="BitTorrent", port=6881, via="NAT-PMP", external_port=50000)
+    refused = ev.PortMapped(
+        t=T0, what="peer server", port=41234, via="UPnP", external_port=None, error="Action Failed"
+    )
+    assert plain_line(granted).endswith("the router forwards TCP 41234 to this machine's peer server (UPnP)")
+    assert plain_line(moved).endswith(
+        "the router forwards TCP 6881 (as 50000 outside) to this machine's BitTorrent (NAT-PMP)"
+    )
+    assert plain_line(refused).endswith(
+        "the router did not forward TCP 41234 (peer server) over UPnP: Action Failed"
+    )
+    assert parse_json_line(json_line(refused)) == refused

@@ -33,6 +33,9 @@ class VolunteerConfig:
     # address the tracker sees this volunteer's requests come from, with ``port``.
     advertise: str | None = None
     client_mode: bool = False  # declare no address: own no all-reduce part, serve no state
+    # ask the home router (UPnP-IGD, NAT-PMP) to forward the peer server's and BitTorrent's ports while it
+    # runs; never from a loopback --host. `crowdtrain join` turns it on (--no-port-mapping: off)
+    port_mapping: bool = False
     max_batch: int | None = None  # cap on the micro-batch size
     max_steps: int | None = None  # leave once the run's global step reaches this (demos, tests)
     seed: int | None = None  # sampler seed; default: derived from the peer id

@@ -83,6 +83,11 @@ class DataFeed:
             await wait_at_most(stop, STATS_INTERVAL_S)
 
     def bt_port(self) -> int | None:
+        """The BitTorrent port others connect to: the one the home router forwards to it, if it does."""
         with contextlib.suppress(CrowdtrainError, RuntimeError):
-            return self.run.torrent.listen_port or None
+            torrent = self.run.torrent
+            forwarded = [
+                m.external_port for (what, _), m in torrent.port_maps.items() if what == "BitTorrent"
+            ]
+            return next((p for p in forwarded if p), None) or torrent.listen_port or None
         return None

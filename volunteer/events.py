@@ -73,6 +73,17 @@ class Reachability(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PortMapped(Event):
+    """What the home router answered when asked to forward one of this volunteer's ports (``--port-mapping``)."""
+
+    what: str  # "peer server" or "BitTorrent"
+    port: int  # the local TCP port
+    via: str  # "UPnP" or "NAT-PMP"
+    external_port: int | None  # the port the router forwards to it; None: it refused (``error`` says why)
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunNotice(Event):
     """A run-wide problem the tracker reports (e.g. no reachable volunteer), or None once it is over."""
 

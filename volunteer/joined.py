@@ -48,6 +48,9 @@ from crowdtrain.volunteer.suspend import Sleeps
 from crowdtrain.volunteer.trainer import Trainer, resolve_device
 
 LEAVE_TIMEOUT_S = 3.0
+# how long a join waits for the home router to forward the peer server's port (--port-mapping), so that the
+# tracker's first check already goes through the forward; a router that answers nothing costs this once
+PORT_MAP_WAIT_S = 3.0
 
 
 @dataclass(slots=True)
@@ -303,6 +306,23 @@ def _bind(cfg: VolunteerConfig) -> tuple[PeerServer, int]:
         ) from None
 
 
+async def _forwarded(cfg: VolunteerConfig, torrent: TorrentSession, port: int) -> int:
+    """The port others reach the peer server at: the one the home router forwards to it, when it granted one
+    within PORT_MAP_WAIT_S (port mapping on, not in client mode, no --advertise), else ``port``."""
+    if cfg.client_mode or cfg.advertise is not None or not torrent.port_mapping:
+        return port
+    torrent.map_port("peer server", port)
+    deadline = asyncio.get_running_loop().time() + PORT_MAP_WAIT_S
+    while asyncio.get_running_loop().time() < deadline:
+        answers = [m for (what, _), m in torrent.port_maps.items() if what == "peer server"]
+        if granted := [m.external_port for m in answers if m.external_port]:
+            return granted[0]
+        if len(answers) >= 2:  # both UPnP and NAT-PMP refused
+            break
+        await asyncio.sleep(0.1)
+    return port
+
+
 @contextlib.asynccontextmanager
 async def join_run(me: Volunteering) -> AsyncIterator[JoinedRun]:
     """Join the run ``me.config`` names; on the way out stop accepting peers, tell the tracker, then close
@@ -314,9 +334,16 @@ async def join_run(me: Volunteering) -> AsyncIterator[JoinedRun]:
         server, port = _bind(cfg)
         torrent: TorrentSession | None = None
         try:
-            torrent = TorrentSession(SessionConfig(listen=listen_address(cfg.host, cfg.bt_port)))
+            torrent = TorrentSession(
+                SessionConfig(listen=listen_address(cfg.host, cfg.bt_port), port_mapping=cfg.port_mapping)
+            )
+            torrent.on_port_map = lambda m: me.emit(
+                ev.PortMapped(
+                    what=m.what, port=m.port, via=m.via, external_port=m.external_port, error=m.error
+                )
+            )
             await torrent.start()
-            declared = declared_address(cfg, port)
+            declared = declared_address(cfg, await _forwarded(cfg, torrent, port))
             join = await tracker.join(
                 cfg.run_id,
                 JoinRequest(

@@ -84,6 +84,15 @@ ClientMode = Annotated[
     bool,
     typer.Option("--client-mode", help="Behind NAT: declare no address, own no all-reduce part, only send."),
 ]
+PortMapping = Annotated[
+    bool,
+    typer.Option(
+        "--port-mapping/--no-port-mapping",
+        envvar="CROWDTRAIN_PORT_MAPPING",
+        help="Ask the home router (UPnP-IGD, NAT-PMP) to forward --port and --bt-port while joined, as "
+        "BitTorrent clients do; never on a loopback --host.",
+    ),
+]
 MaxBatch = Annotated[int | None, typer.Option("--max-batch", help="Cap on the micro-batch size (memory).")]
 MaxSteps = Annotated[
     int | None,
@@ -115,6 +124,7 @@ def join(
     bt_port: BtPort = 0,
     advertise: Advertise = None,
     client_mode: ClientMode = False,
+    port_mapping: PortMapping = True,
     max_batch: MaxBatch = None,
     max_steps: MaxSteps = None,
     init_from: InitFrom = None,
@@ -135,6 +145,7 @@ def join(
         bt_port=bt_port,
         advertise=advertise,
         client_mode=client_mode,
+        port_mapping=port_mapping,
         max_batch=max_batch,
         max_steps=max_steps,
         init_from=init_from,

@@ -316,6 +316,7 @@ def _always(event: ev.Event) -> bool:
 LOGGED: dict[type[ev.Event], Callable[[Any], bool]] = {
     ev.Joined: _always,
     ev.Reachability: _always,
+    ev.PortMapped: _always,
     ev.RunNotice: _always,
     ev.StepMissed: _always,
     ev.LogLine: _always,

@@ -119,6 +119,13 @@ def _progress(e: ev.Progress) -> Sentence:
     )
 
 
+def _port_mapped(e: ev.PortMapped) -> Sentence:
+    if e.external_port is None:
+        return "info", f"the router did not forward TCP {e.port} ({e.what}) over {e.via}: {e.error}"
+    outside = "" if e.external_port == e.port else f" (as {e.external_port} outside)"
+    return "info", f"the router forwards TCP {e.port}{outside} to this machine's {e.what} ({e.via})"
+
+
 def _notice(e: ev.RunNotice) -> Sentence:
     if e.message is None:
         return "info", "the tracker reports no run-wide problem any more"
@@ -231,6 +238,7 @@ SENTENCES: dict[type[ev.Event], Callable[[Any], Sentence]] = {
     ev.Joined: _joined,
     ev.Progress: _progress,
     ev.Reachability: reachability,
+    ev.PortMapped: _port_mapped,
     ev.RunNotice: _notice,
     ev.PhaseChanged: _phase,
     ev.StepDone: _step_done,
