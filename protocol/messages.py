@@ -327,6 +327,8 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     loss: float | None = None
     bt_port: Port | None = None  # the port its BitTorrent session listens on (the tracker checks it)
     computing: bool = True  # False: what it computes does not count now (catching up, or no chunk yet)
+    # a backbone peer (join --backbone): computes no gradients; it averages, serves the state and the data set
+    backbone: bool = False
     # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
     compute_share: float | None = None
     eval: EvalReport | None = None  # its evaluation of the held-out split, once per evaluated step
@@ -489,6 +491,7 @@ class PeerStatus(Message, frozen=True, kw_only=True):
     reachable: bool = False  # the tracker's last check of ``address`` answered
     bt_reachable: bool | None = None  # its BitTorrent port accepted a connection; None: not checked
     compute_share: float | None = None  # as its last heartbeat said (see Heartbeat.compute_share)
+    backbone: bool = False  # computes no gradients: averages, serves the state and the data set
 
 
 class StepRecord(Message, frozen=True, kw_only=True):

@@ -233,14 +233,22 @@ def steps_taken(v: Cli, end: int) -> tuple[int, int]:
 
 
 def run_with_a_late_volunteer(
-    net: Network, tmp: Path, client_mode: set[str], averaging: str = "", nat: set[str] = frozenset()
+    net: Network,
+    tmp: Path,
+    client_mode: set[str],
+    averaging: str = "",
+    nat: set[str] = frozenset(),
+    backbone: set[str] = frozenset(),
 ) -> None:
-    """``nat``: volunteers at home behind a router (``Network(homes=...)``), started with no flag."""
+    """``nat``: volunteers at home behind a router (``Network(homes=...)``), started with no flag;
+    ``backbone``: started with ``--backbone`` (they compute no gradients)."""
     # (a) seeds as the README shows (registering with the admin token); (b) seeds without the token, the run
     # having made the tracker serve the data set
     pub = Published(net, tmp, seed_with_token=not (client_mode or nat), averaging=averaging)
     names = ["v1", "v2", "v3", "v4"]
-    flags = {n: ["--client-mode"] if n in client_mode else [] for n in names}
+    flags = {
+        n: ["--client-mode"] if n in client_mode else ["--backbone"] if n in backbone else [] for n in names
+    }
     vols = {n: pub.join(net.hosts[n], tmp, *flags[n]) for n in names[:3]}
     try:
         vols["v1"].wait_for(f"global step {LATE_AT}", lambda: global_step(vols["v1"]) >= LATE_AT, 180)
@@ -274,6 +282,11 @@ def run_with_a_late_volunteer(
             assert reach["bt_address"].startswith(net.hosts[n].ip + ":") and reach["bt_reachable"], reach
         taken, present = steps_taken(v, end)
         assert present > 0 and taken >= 0.9 * present, f"{n} took {taken} of {present} steps:\n{v.tail()}"
+        contributed = [e["contributed_samples"] for e in v.of("StepDone")]
+        if n in backbone:  # it computed nothing, and said so from its first line
+            assert not any(contributed) and v.of("Joined")[0]["backbone"], contributed
+        elif n != "v4":
+            assert any(contributed), f"{n} never contributed:\n{v.tail()}"
         # no round failed while the run was going (one in flight when they were stopped may)
         assert not [e for e in v.of("RoundFailed") if e["step"] < end], v.of("RoundFailed")
     # chunks passed between volunteers: some volunteer uploaded data set bytes (only volunteers download)
@@ -301,6 +314,7 @@ def run_with_a_late_volunteer(
             assert "not reachable" in line, status
         else:
             assert f"reachable at {net.hosts[n].ip}:" in line and "not reachable" not in line, status
+            assert ("backbone, reachable" in line) == (n in backbone), status
         if n not in nat:
             assert re.search(r"\d  reachable  ", line), status  # its BitTorrent port too (after the chunks)
 
@@ -332,6 +346,13 @@ def test_in_local_steps_volunteers_behind_home_routers_send_only_and_a_late_one_
         run_with_a_late_volunteer(
             net, tmp_path, client_mode=set(), nat=HOMES, averaging="inner_steps = 2\ninner_batch_size = 32\n"
         )
+
+
+def test_three_homes_and_a_backbone_train_together_and_a_late_home_catches_up_from_it(tmp_path):
+    """No volunteer that computes is reachable: the backbone (``--backbone`` on a server, no gradients) owns
+    every part, serves the state the late home loads, and the homes take the steps."""
+    with Network(["tracker", "seeder", "v1", "v2", "v3", "v4"], homes=HOMES) as net:
+        run_with_a_late_volunteer(net, tmp_path, client_mode=set(), nat=HOMES, backbone={"v1"})
 
 
 def test_volunteers_in_client_mode_by_choice_train_through_the_reachable_one(tmp_path):

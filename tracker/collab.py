@@ -113,6 +113,7 @@ class Peer:
     chunks_held: int = 0
     loss: float | None = None
     compute_share: float | None = None  # as its last heartbeat said
+    backbone: bool = False  # as its last heartbeat said: it computes no gradients
     last_seen: float = 0.0  # monotonic
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
@@ -130,6 +131,7 @@ class Peer:
             reachable=self.reach.reachable,
             bt_reachable=self.reach.bt_reachable,
             compute_share=self.compute_share,
+            backbone=self.backbone,
         )
 
 
@@ -270,6 +272,7 @@ class RunState:
             step_open=self.closed_at is None,
         )
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, hb.compute_share
+        peer.backbone = hb.backbone
         peer.last_seen = now
         self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:

@@ -149,7 +149,8 @@ async function refresh() {
     for (const p of st.peers) {
       peers.appendChild(row([p.peer_id, p.step, p.samples, num(p.samples_per_s, 1) + "/s",
         p.compute_share === null ? "–" : Math.round(100 * p.compute_share) + "%", p.chunks_held, num(p.loss, 3),
-        p.client_mode ? "client mode" : (p.reachable ? "reachable at " + p.address : "not reachable"),
+        (p.backbone ? "backbone, " : "") +
+          (p.client_mode ? "client mode" : (p.reachable ? "reachable at " + p.address : "not reachable")),
         p.bt_reachable === null ? "–" : (p.bt_reachable ? "reachable" : "not reachable")]));
     }
     const steps = hist.steps;

@@ -36,6 +36,8 @@ class VolunteerConfig:
     # ask the home router (UPnP-IGD, NAT-PMP) to forward the peer server's and BitTorrent's ports while it
     # runs; never from a loopback --host. `crowdtrain join` turns it on (--no-port-mapping: off)
     port_mapping: bool = False
+    # a backbone peer: computes no gradients; owns parts of the average, serves the state and seeds the data set
+    backbone: bool = False
     max_batch: int | None = None  # cap on the micro-batch size
     max_steps: int | None = None  # leave once the run's global step reaches this (demos, tests)
     seed: int | None = None  # sampler seed; default: derived from the peer id

@@ -57,9 +57,8 @@ class Volunteer:
     (each micro-batch's provenance, by the step its gradient was accumulated toward) and
     :class:`~crowdtrain.volunteer.events.ParamsAfterStep` (a copy of the flat parameters after each applied
     step, and after a catch-up). It is given at construction, never changed, and kept apart from ``emit``:
-    a copy of the model's size is taken only when a ``record`` was given, right after the step is applied
-    and before training goes on (so the copy holds that step's parameters, whenever the recorder reads
-    it). Without one (the CLI), no record is built and no copy made.
+    a copy of the model's size is taken only when a ``record`` was given, right after the step is applied and
+    before training goes on (it holds that step's parameters). Without one (the CLI), no copy is made.
     """
 
     def __init__(
@@ -184,8 +183,8 @@ class Training:
                 self._show("catching-up")
             elif not self.data.sampler.ready:
                 self._show("downloading")
-            else:
-                self._show("waiting-for-step" if self._at_quota else "training")
+            else:  # (a backbone computes nothing: it waits for each step's round)
+                self._show("waiting-for-step" if self._at_quota or cfg.backbone else "training")
             if await self._work():
                 await self._follow()
         # delay 1: the last step's average is still under way; its group counts on this peer's part
@@ -202,9 +201,9 @@ class Training:
         this turn (the step's gradient was just taken early)."""
         quota = self._quota_now()
         trainer, link = self.run.trainer, self.link
-        if not self.data.sampler.ready:
-            # No verified chunk yet: nothing to compute, but this peer still takes part in its group's
-            # rounds with weight 0, so its parameters stay those of the run.
+        if not self.data.sampler.ready or self.run.config.backbone:
+            # No chunk yet, or a backbone: nothing to compute, but it takes part in its group's rounds with
+            # weight 0, so its parameters stay the run's.
             await wait_at_most(link.changed, 0.1)
             link.changed.clear()
         elif quota is None or trainer.samples < quota:
@@ -330,9 +329,10 @@ class Training:
             peer_id=run.peer_id,
             step=run.pos.step,
             samples=0 if catching_up else early.weight if early else run.trainer.samples,
-            # what it computes counts: not catching up, holding a chunk
-            # (with its share taken early, it computes for the next step: done with this one)
-            computing=not catching_up and self.data.sampler.ready and early is None,
+            # what it computes counts: not catching up, holding a chunk, not a backbone (with its share
+            # taken early, it computes for the next step: done with this one)
+            computing=not (catching_up or run.config.backbone) and self.data.sampler.ready and early is None,
+            backbone=run.config.backbone,
             samples_per_s=self.meter.samples_per_s,
             address=run.declared,
             chunks_held=self.data.chunks_held,

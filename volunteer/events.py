@@ -46,6 +46,7 @@ class Joined(Event):
     recipe: str
     codec: str
     inner_steps: int = 1  # > 1: local-steps mode, a global step is an outer round of this many inner steps
+    backbone: bool = False  # join --backbone: it computes no gradients
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -204,6 +204,7 @@ class JoinedRun:
                 recipe=spec.model.recipe,
                 codec=spec.averaging.codec,
                 inner_steps=spec.averaging.inner_steps,
+                backbone=self.config.backbone,
             )
         )
 

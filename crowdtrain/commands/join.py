@@ -93,6 +93,14 @@ PortMapping = Annotated[
         "BitTorrent clients do; never on a loopback --host.",
     ),
 ]
+Backbone = Annotated[
+    bool,
+    typer.Option(
+        "--backbone",
+        help="Compute no gradients: on a reachable machine (no GPU needed), own parts of the average, serve "
+        "the run's state to newcomers and seed the data set, for volunteers behind NAT.",
+    ),
+]
 MaxBatch = Annotated[int | None, typer.Option("--max-batch", help="Cap on the micro-batch size (memory).")]
 MaxSteps = Annotated[
     int | None,
@@ -125,6 +133,7 @@ def join(
     advertise: Advertise = None,
     client_mode: ClientMode = False,
     port_mapping: PortMapping = True,
+    backbone: Backbone = False,
     max_batch: MaxBatch = None,
     max_steps: MaxSteps = None,
     init_from: InitFrom = None,
@@ -146,6 +155,7 @@ def join(
         advertise=advertise,
         client_mode=client_mode,
         port_mapping=port_mapping,
+        backbone=backbone,
         max_batch=max_batch,
         max_steps=max_steps,
         init_from=init_from,

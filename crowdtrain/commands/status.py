@@ -18,9 +18,10 @@ def _rate(x: float) -> str:
 def _reach(p) -> str:  # p: PeerStatus
     if p.address is None:
         return "client mode (declared no address)"
+    backbone = "backbone, " if p.backbone else ""
     if p.reachable:
-        return f"reachable at {p.address}"
-    return f"not reachable at {p.address} (client mode)"
+        return f"{backbone}reachable at {p.address}"
+    return f"{backbone}not reachable at {p.address} (client mode)"
 
 
 def _bt(p) -> str:

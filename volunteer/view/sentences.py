@@ -98,6 +98,8 @@ def _eta(seconds: float | None, rate: float | None) -> str:
 
 def _joined(e: ev.Joined) -> Sentence:
     where = f"peer server at {e.address}" if e.address else "client mode"
+    if e.backbone:
+        where += ", a backbone (computes no gradients: averages, serves the state and the data set)"
     return "info", (
         f"joined run {e.run_name} ({e.run_id}) at {e.tracker} as {e.peer_id} "
         f"on {e.device}, {where}; global step {e.global_step}, "
