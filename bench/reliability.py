@@ -53,8 +53,8 @@ SCENARIOS = [
     ),
     (
         "test_faults_unreachable.py",
-        "A volunteer whose peer server cannot be reached: it advertises 127.0.0.3 (in the test process, and "
-        "as a `crowdtrain join --advertise 127.0.0.3` process that joins late), or runs with --client-mode",
+        "A volunteer whose peer server cannot be reached: it advertises a port nobody listens on (in the test "
+        "process, and as a `crowdtrain join --advertise :PORT` process that joins late), or runs with --client-mode",
         "The tracker marks it unreachable; it owns no part in any round but is a member of every one, "
         "contributes its samples, steps with the others with bit-identical parameters; no part is dropped.",
     ),

@@ -218,8 +218,13 @@ def global_step(v: Cli) -> int:
 
 
 def reachability(v: Cli) -> dict:
-    v.wait_for("a reachability sentence", lambda: v.of("Reachability"), 60)
-    return v.of("Reachability")[0]
+    """Where the tracker reaches ``v``, once both its checks answered (its newest Reachability sentence)."""
+    v.wait_for(
+        "a reachability sentence with both checks answered",
+        lambda: any(e["bt_reachable"] is not None for e in v.of("Reachability")),
+        60,
+    )
+    return v.of("Reachability")[-1]
 
 
 def steps_taken(v: Cli, end: int) -> tuple[int, int]:
@@ -257,6 +262,8 @@ def run_with_a_late_volunteer(
         late.wait_for(
             f"{LATE_STEPS} steps of the late volunteer", lambda: len(late.of("StepDone")) >= LATE_STEPS, 180
         )
+        # (while they run: a check of an address behind NAT answers only when it times out)
+        reaches = {n: reachability(v) for n, v in vols.items()}
         status = pub.status(net.hosts["v4"])
         end = int(re.search(r"global step\s+(\d+)", status).group(1))
     finally:
@@ -269,7 +276,7 @@ def run_with_a_late_volunteer(
     ids = {n: v.of("Joined")[0]["peer_id"] for n, v in vols.items()}
     for n, v in vols.items():
         # the first lines say where it is reachable: at its own host's address, found by the tracker
-        reach = reachability(v)
+        reach = reaches[n]
         if n in client_mode:
             assert reach["address"] is None and reach["asked_client_mode"]
         elif n in nat:  # told: the tracker tried its public address (its router's) and got no answer

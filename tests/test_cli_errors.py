@@ -4,6 +4,7 @@ traceback, also when the error is raised inside a task group (issue 16)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import sys
@@ -34,6 +35,28 @@ async def test_join_of_a_run_the_tracker_does_not_know(cli_env, tracker, tmp_pat
         crowdtrain, cli_env, "join", "nosuchrun", "--tracker", tracker.url, "--data-dir", str(tmp_path / "v")
     )
     assert_one_sentence(out, "nosuchrun")
+    assert not (tmp_path / "v").exists()  # a failed join leaves no empty data folder behind
+
+
+async def test_join_on_a_data_folder_another_volunteer_holds_is_told_so_and_touches_nothing(
+    cli_env, tracker, tmp_path
+):
+    """Two volunteers of one run on one machine without --data-dir share a folder: the second is refused
+    with a sentence (the first here holds it as a volunteer does, from this process)."""
+    from crowdtrain.volunteer.folder import data_folder
+
+    folder = tmp_path / "v"
+    with data_folder(folder):
+        (folder / "chunk-0000").write_bytes(b"held")
+        out = await asyncio.to_thread(
+            crowdtrain, cli_env, "join", "anyrun", "--tracker", tracker.url, "--data-dir", str(folder)
+        )
+    assert_one_sentence(
+        out, str(folder), "in use by another volunteer", f"process {os.getpid()}", "--data-dir"
+    )
+    assert (folder / "chunk-0000").read_bytes() == b"held"
+    with data_folder(folder):  # free again once its holder let go
+        pass
 
 
 def test_tracker_serve_on_a_port_in_use(cli_env, tmp_path):

@@ -1,14 +1,17 @@
-"""A volunteer whose peer server cannot be reached (it advertises an address nobody listens on, or it
-declares none with client mode): it owns no all-reduce part, still contributes its samples and steps with
-the others, and the group's parameters stay equal.
+"""A volunteer whose peer server cannot be reached (it advertises a port nobody listens on, as a router's
+forward that was never made would be, or it declares none with client mode): it owns no all-reduce part,
+still contributes its samples and steps with the others, and the group's parameters stay equal.
 
 All three volunteers run in this process (so their parameters can be compared) over real sockets: the
-tracker's reachability check really connects to the advertised address and is refused.
+tracker's reachability check really connects to the advertised address and is refused. (The tracker checks a
+volunteer only at the address its requests come from, so the advertised address is this host's, at a port
+found free and closed again.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import numpy as np
 import pytest
@@ -20,10 +23,18 @@ from tests.faults import VolunteerProcess, losses_on_a_fixed_batch, record_outco
 from tests.harness import Recorder, published_run, volunteers
 
 STEPS = 8
-# 127.0.0.0/8 is loopback, but this peer server listens on 127.0.0.1 only: 127.0.0.3 refuses connections.
+
+
+def closed_port() -> int:
+    """A port nothing listens on (the kernel's pick, released again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 UNREACHABLE = {
-    "advertise": {"host": "127.0.0.1", "advertise": "127.0.0.3"},
-    "client-mode": {"client_mode": True},
+    "advertise": lambda: {"host": "127.0.0.1", "advertise": f":{closed_port()}"},
+    "client-mode": lambda: {"client_mode": True},
 }
 
 
@@ -36,7 +47,7 @@ async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_oth
     async with published_run(tmp_path, target_batch_size=96, averaging={"clip_multiple": 0.0}) as run:
         vols = []
         for i in range(3):
-            extra = UNREACHABLE[how] if i == 2 else {}
+            extra = UNREACHABLE[how]() if i == 2 else {}
             v = Volunteer(
                 VolunteerConfig(
                     run_id=run.spec.run_id,
@@ -93,8 +104,8 @@ async def test_unreachable_volunteer_works_in_client_mode_and_steps_with_the_oth
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_join_process_advertising_an_unreachable_address_steps_as_a_client(tmp_path):
-    """The same through the CLI: ``crowdtrain join --host 127.0.0.1 --advertise 127.0.0.3`` as a process of
-    its own (it listens on 127.0.0.1 only, so the advertised address refuses connections)."""
+    """The same through the CLI: ``crowdtrain join --advertise :PORT`` as a process of its own, PORT one
+    nobody listens on (a forward that was never made), so the tracker's check is refused."""
     seen: list[list[ev.Event]] = [[], []]
     recs = [Recorder() for _ in range(2)]
     async with published_run(tmp_path, target_batch_size=96, averaging={"clip_multiple": 0.0}) as run:
@@ -105,7 +116,7 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
             run.spec.run_id,
             run.tracker.url,
             tmp_path / "hidden",
-            extra=["--host", "127.0.0.1", "--advertise", "127.0.0.3"],
+            extra=["--host", "127.0.0.1", "--advertise", f":{closed_port()}"],
         )
         try:
             await hidden.wait_for(lambda e: len(hidden.of(ev.StepDone)) >= 4, 120)
@@ -116,7 +127,7 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
             summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     hidden_id = hidden.of(ev.Joined)[0].peer_id
-    assert hidden.of(ev.Joined)[0].address is not None  # it did declare an address: 127.0.0.3:<port>
+    assert hidden.of(ev.Joined)[0].address is not None  # it did declare an address: 127.0.0.1:<closed port>
     assert not any(e.reachable for e in hidden.of(ev.Progress))
     its_rounds = [e for e in hidden.of(ev.RoundDone) if e.kind == "grad"]
     assert len(its_rounds) >= 4 and all(r.my_part == -1 for r in its_rounds)
@@ -134,7 +145,7 @@ async def test_join_process_advertising_an_unreachable_address_steps_as_a_client
         np.testing.assert_array_equal(recs[0].params[step], recs[1].params[step])
         assert np.isfinite(recs[0].params[step]).all()
     record_outcome(
-        "peer server unreachable (crowdtrain join --advertise 127.0.0.3, a process)",
+        "peer server unreachable (crowdtrain join --advertise :CLOSED_PORT, a process)",
         rounds_completed=len(its_steps),
         rounds_with_it_as_sender_only=len(its_rounds),
         its_samples_contributed=sum(e.contributed_samples for e in hidden.of(ev.StepDone)),

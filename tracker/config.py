@@ -30,6 +30,9 @@ class TrackerConfig:
     admin_token: str | None = field(default=None, repr=False)
     peer_ttl_s: float = 30.0  # a volunteer silent this long is dropped
     heartbeat_interval_s: float = 2.0  # what volunteers are told to use
+    # check a volunteer at a host other than the one its requests come from (join --advertise HOST: relays, a
+    # forward on another address); off, nobody can point the tracker's checks at another host (reach.py)
+    allow_other_hosts: bool = False
     # a peer at the open step that owes samples and was silent this many heartbeat intervals (at least 2 s)
     # loses what it owes to the others (tracker/collab.py: stragglers, and late peers); 0: neither rule, it is
     # waited for until it expires

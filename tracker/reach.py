@@ -1,11 +1,17 @@
 """Where a volunteer is reached, and whether it really is: the tracker's side of "reachability".
 
 * A volunteer declares its peer server as ``":PORT"`` (the default): the tracker fills in the address it
-  sees the request come from, as a BitTorrent tracker does with an announce. ``"HOST:PORT"`` (``join
-  --advertise``) is taken as given, except a loopback host sent from a non-loopback address, which nobody
-  else could use and is refused with a sentence. ``None`` is client mode.
+  sees the request come from, as a BitTorrent tracker does with an announce. ``None`` is client mode.
+* **The tracker never probes for others.** A declared host (``join --advertise``) must be the address the
+  request came from, compared as parsed addresses (an IPv4-mapped IPv6 address is its IPv4 one), else it is
+  refused with a sentence: nobody can point the tracker's checks at another host. A tracker started with
+  ``--allow-other-hosts`` (relays, a forward on another address) takes other hosts, but never a loopback
+  (unless the volunteer is on loopback too), link-local, unspecified, multicast or reserved one, however
+  spelled: a name, or a numeric spelling Python does not parse (``127.1``, ``2130706433``, ``0x7f.1``,
+  ``LOCALHOST.``), is resolved at check time and each address it resolves to is held to the same rule.
 * The tracker checks a declared address off the request path with ``GET /v1/ping`` (which must answer this
-  peer's id), and the BitTorrent port the volunteer reports with a TCP connection; both at the first
+  peer's id), and the BitTorrent port the volunteer reports with a BitTorrent handshake for the run's data
+  set (the answer must be a handshake for the same info-hash: a TCP accept is not enough); both at the first
   heartbeat that names them, on a change, and while they fail, every ``RECHECK_S``.
 * A peer owns an all-reduce part only when its check answered; matchmaking never forms a group without a
   part owner (see :mod:`crowdtrain.tracker.collab`).
@@ -18,6 +24,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("crowdtrain.tracker")
 
 RECHECK_S = 10.0  # an unreachable address is checked again this often (on heartbeats)
+BT_PROTOCOL = b"\x13BitTorrent protocol"
+CHECKER_PEER_ID = b"-CT0000-reachability"  # 20 bytes: the tracker's peer id in its handshakes
 
 
 class AddressError(ProtocolError):
@@ -65,17 +74,47 @@ class Reach:
         return self.address is not None and not self.checked
 
 
-def _is_loopback(host: str) -> bool:
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def parse_ip(host: str) -> IP | None:
+    """``host`` as an address (brackets stripped, an IPv4-mapped IPv6 address as its IPv4 one); None for a
+    name, or a spelling only a resolver reads (``127.1``)."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
-        return host == "localhost"
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
-def resolve_address(address: str, remote: str | None) -> str:
+def forbidden(ip: IP, remote: str | None) -> str | None:
+    """Why the tracker must not check ``ip`` for a volunteer at ``remote`` (None: it may)."""
+    if ip.is_loopback:
+        seen = parse_ip(remote) if remote else None
+        return None if seen is not None and seen.is_loopback else "a loopback address"
+    for kind, bad in (
+        ("an unspecified address", ip.is_unspecified),
+        ("a link-local address", ip.is_link_local),
+        ("a multicast address", ip.is_multicast),
+        ("a reserved address", ip.is_reserved),
+    ):
+        if bad:
+            return kind
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    ip = parse_ip(host)
+    return ip.is_loopback if ip is not None else host.lower().rstrip(".") == "localhost"
+
+
+def resolve_address(address: str, remote: str | None, *, other_hosts: bool = False) -> str:
     """The ``host:port`` others reach a peer at, from what it declared and where its request came from.
 
-    An empty or unspecified host (``:PORT``, ``0.0.0.0:PORT``, ``[::]:PORT``) stands for ``remote``.
+    An empty or unspecified host (``:PORT``, ``0.0.0.0:PORT``, ``[::]:PORT``) stands for ``remote``. Another
+    host must be ``remote`` itself, unless ``other_hosts`` (then see the module docstring).
     """
     if len(address) > 300:
         raise AddressError("address is longer than 300 characters")
@@ -96,6 +135,16 @@ def resolve_address(address: str, remote: str | None) -> str:
             f"{remote}: other volunteers cannot reach it there; leave out --advertise (the tracker then uses "
             f"{remote}) or advertise an address they can reach"
         )
+    ip, seen = parse_ip(host), parse_ip(remote) if remote else None
+    if not other_hosts and remote and (ip is None or ip != seen):
+        raise AddressError(
+            f"address {address!r}: this tracker checks a volunteer only at the address its requests come from "
+            f"({remote}), so that nobody can point its checks at another host; leave out --advertise's host "
+            "(e.g. --advertise :PORT for a forwarded port), or ask the tracker's operator to start it with "
+            "--allow-other-hosts (for relays)"
+        )
+    if ip is not None and (why := forbidden(ip, remote)):
+        raise AddressError(f"address {address!r} is {why}: the tracker does not check such addresses")
     return f"{host}:{int(port_text)}"
 
 
@@ -129,8 +178,11 @@ class Checker:
 
     # ------------------------------------------------------------ on every heartbeat
 
-    def update(self, peer: Peer, address: str | None, bt_port: int | None, remote: str) -> None:
-        """Take what a join or heartbeat said of the peer's addresses; start the checks that are due."""
+    def update(
+        self, peer: Peer, address: str | None, bt_port: int | None, remote: str, infohash: str = ""
+    ) -> None:
+        """Take what a join or heartbeat said of the peer's addresses; start the checks that are due
+        (``infohash``: the run's data set, hex, for the BitTorrent handshake)."""
         reach = peer.reach
         if address != reach.address:
             reach.address = address
@@ -154,7 +206,7 @@ class Checker:
             reach.checking = True
             reach.checks += 1
             reach.checked_at = now
-            self._spawn(self._ping(peer.peer_id, reach, reach.address))
+            self._spawn(self._ping(peer.peer_id, reach, reach.address, remote))
         if (
             reach.bt_address is not None
             and not reach.bt_checking
@@ -163,18 +215,33 @@ class Checker:
         ):
             reach.bt_checking = True
             reach.bt_checked_at = now
-            self._spawn(self._connect(peer.peer_id, reach, reach.bt_address))
+            self._spawn(self._handshake(peer.peer_id, reach, reach.bt_address, infohash, remote))
 
     # ------------------------------------------------------------ the checks
 
     # A check writes its answer into the peer's Reach only while that still holds the address it checked; a
     # peer that left (or re-registered, with a new Reach) takes no answer: its old record is dropped with it.
 
-    async def _ping(self, peer_id: str, reach: Reach, address: str) -> None:
+    async def _allowed(self, address: str, remote: str) -> bool:
+        """Whether every address ``address``'s host resolves to may be checked (a name, or a spelling only a
+        resolver reads, is resolved here; see :func:`forbidden`)."""
+        host = host_of(address).strip("[]")
+        if parse_ip(host) is not None:
+            return True  # (checked when it was declared)
+        try:
+            found = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError:
+            return False
+        ips = [parse_ip(str(info[4][0])) for info in found]
+        return bool(ips) and all(ip is not None and forbidden(ip, remote) is None for ip in ips)
+
+    async def _ping(self, peer_id: str, reach: Reach, address: str, remote: str = "") -> None:
         assert self._http is not None
         ok = False
         async with self._slots:
             try:
+                if not await self._allowed(address, remote):
+                    raise ValueError(f"{address} resolves to an address the tracker does not check")
                 async with asyncio.timeout(self.timeout_s):
                     async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
                         if resp.status == 200:
@@ -193,18 +260,28 @@ class Checker:
             if not ok:
                 log.info("peer %s declared %s but did not answer GET /v1/ping; client mode", peer_id, address)
 
-    async def _connect(self, peer_id: str, reach: Reach, address: str) -> None:
+    async def _handshake(self, peer_id: str, reach: Reach, address: str, infohash: str, remote: str) -> None:
+        """A BitTorrent handshake for the run's data set at ``address``: reachable when the answer is a
+        handshake for the same info-hash."""
         host, _, port = address.rpartition(":")
         ok = False
         async with self._slots:
             try:
+                if len(infohash) != 40 or not await self._allowed(address, remote):
+                    raise ValueError("no data set to ask for, or an address the tracker does not check")
+                ours = BT_PROTOCOL + bytes(8) + bytes.fromhex(infohash) + CHECKER_PEER_ID
                 async with asyncio.timeout(self.timeout_s):
-                    _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-                ok = True
-            except (OSError, TimeoutError) as exc:
+                    reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+                    try:
+                        writer.write(ours)
+                        await writer.drain()
+                        theirs = await reader.readexactly(len(ours))
+                    finally:
+                        writer.close()
+                        with contextlib.suppress(OSError):
+                            await writer.wait_closed()
+                ok = theirs[:20] == BT_PROTOCOL and theirs[28:48] == ours[28:48]
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
                 log.debug("BitTorrent port of peer %s at %s is not reachable: %s", peer_id, address, exc)
         reach.bt_checking = False
         if reach.bt_address == address:

@@ -57,7 +57,7 @@ class Volunteers:
         address = self._addresses.get(key)
         if address is None:
             try:
-                address = resolve_address(declared, request.remote)
+                address = resolve_address(declared, request.remote, other_hosts=self.config.allow_other_hosts)
             except AddressError as exc:
                 raise ApiError(400, str(exc)) from None
             if len(self._addresses) >= ADDRESS_CACHE:
@@ -123,7 +123,7 @@ class Volunteers:
         )
         self.tracker.auth.remember(credential)
         peer = run.join(peer_id, msg.public_key)
-        self.tracker.checker.update(peer, address, None, request.remote or "")
+        self.tracker.checker.update(peer, address, None, request.remote or "", run.spec.dataset.infohash)
         return json_reply(
             JoinResponse(
                 peer_id=peer_id,
@@ -147,7 +147,9 @@ class Volunteers:
             refusal = run.eval_refusal(hb.eval)
             if refusal is not None:
                 raise ApiError(400, refusal)
-        self.tracker.checker.update(peer, address, hb.bt_port, request.remote or "")
+        self.tracker.checker.update(
+            peer, address, hb.bt_port, request.remote or "", run.spec.dataset.infohash
+        )
         return json_reply(run.heartbeat(peer, hb))
 
     async def ready(self, request: web.Request) -> web.Response:

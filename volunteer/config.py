@@ -58,8 +58,9 @@ class VolunteerConfig:
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(name, "must be between 0 and 65535")
         if self.advertise is not None:
-            host, _ = split_advertise(self.advertise)
-            if host in ("", "0.0.0.0", "::", "[::]"):
+            host, port = split_advertise(self.advertise)
+            # (":PORT": the address the tracker sees, at another port: a router's forward)
+            if host in ("0.0.0.0", "::", "[::]") or (host == "" and port is None):
                 raise ConfigError("advertise", f"{self.advertise!r} names no host others could reach")
         if self.client_mode and self.advertise is not None:
             raise ConfigError("advertise", "a volunteer in client mode declares no address; drop one of them")

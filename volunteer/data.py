@@ -83,9 +83,12 @@ class DataFeed:
             await wait_at_most(stop, STATS_INTERVAL_S)
 
     def bt_port(self) -> int | None:
-        """The BitTorrent port others connect to: the one the home router forwards to it, if it does."""
+        """The BitTorrent port others connect to: the one the home router forwards to it, if it does; None
+        until the run's torrent is in the session (the tracker's check is a handshake for it)."""
         with contextlib.suppress(CrowdtrainError, RuntimeError):
             torrent = self.run.torrent
+            if not torrent.downloads:
+                return None
             forwarded = [
                 m.external_port for (what, _), m in torrent.port_maps.items() if what == "BitTorrent"
             ]

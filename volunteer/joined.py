@@ -38,6 +38,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
+from crowdtrain.volunteer.folder import data_folder
 from crowdtrain.volunteer.local import make_trainer
 from crowdtrain.volunteer.models import check_param_hash, get_recipe, preflight
 from crowdtrain.volunteer.models.origin import check_origin
@@ -326,8 +327,15 @@ async def _forwarded(cfg: VolunteerConfig, torrent: TorrentSession, port: int) -
 
 @contextlib.asynccontextmanager
 async def join_run(me: Volunteering) -> AsyncIterator[JoinedRun]:
-    """Join the run ``me.config`` names; on the way out stop accepting peers, tell the tracker, then close
-    what talks to the network."""
+    """Join the run ``me.config`` names, holding its data folder (one volunteer per folder); on the way out
+    stop accepting peers, tell the tracker, then close what talks to the network."""
+    with data_folder(me.config.data_dir):
+        async with _join(me) as run:
+            yield run
+
+
+@contextlib.asynccontextmanager
+async def _join(me: Volunteering) -> AsyncIterator[JoinedRun]:
     cfg = me.config
     async with TrackerClient(cfg.tracker_url, timeout_s=cfg.tracker_timeout_s) as tracker:
         built = await _build(cfg, tracker)

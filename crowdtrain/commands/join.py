@@ -160,7 +160,6 @@ def join(
         max_steps=max_steps,
         init_from=init_from,
     )
-    config.data_dir.mkdir(parents=True, exist_ok=True)
     run_volunteer(config, "json" if wants_json(ctx, json_out) else "plain" if plain else "live")
 
 

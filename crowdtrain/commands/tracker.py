@@ -55,6 +55,9 @@ def serve_command(
     announce_rate: float = typer.Option(
         50.0, "--announce-rate", help="Announces and scrapes per second per client address; 0 = no limit."
     ),
+    allow_other_hosts: bool = typer.Option(
+        False, "--allow-other-hosts", help="Check volunteers at hosts they do not send from (relays)."
+    ),
 ) -> None:
     """Start a tracker; prints its URL, announce URL and admin token, then serves until Ctrl-C."""
     from crowdtrain.tracker.config import TrackerConfig, default_db_path
@@ -72,6 +75,7 @@ def serve_command(
         min_announce_interval_s=min_announce_interval,
         join_rate_per_s=join_rate,
         announce_rate_per_s=announce_rate,
+        allow_other_hosts=allow_other_hosts,
     )
     run_async(_serve(config))
 

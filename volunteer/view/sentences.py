@@ -74,7 +74,7 @@ def reachability(event: ev.Reachability) -> Sentence:
         parts = [
             f"not reachable for averaging at {event.address} (the tracker could not connect), so this machine "
             f"only sends, like --client-mode; open or forward TCP port {port} to it, or pass "
-            "--advertise HOST:PORT if others reach it at another address"
+            "--advertise :PORT if the router forwards another port to it"
         ]
     if event.bt_reachable is True:
         parts.append(f"BitTorrent peers can connect at {event.bt_address}")
