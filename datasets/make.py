@@ -195,7 +195,7 @@ def _check_options(
 def _data_set_name(name: str | None, src: _Source) -> str:
     """``name``, or one made from the source's (its letters, digits, '.', '_' and '-'), checked."""
     name = name or (re.sub(r"[^A-Za-z0-9._-]", "-", src.default_name).lstrip("._-")[:64] or "dataset")
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise ConfigError(
             "name", f"{name!r} is not a data set name; use 1-64 letters, digits, '.', '_' or '-'"
         )

@@ -181,7 +181,7 @@ class DatasetRef(Message, frozen=True, kw_only=True):
 
 
 JoinPolicy = Literal["public", "token"]
-MetricName = Annotated[str, Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")]
+MetricName = Annotated[str, Meta(pattern=r"^[A-Za-z][A-Za-z0-9_.-]{0,31}\Z")]  # (\Z: no final newline)
 Metrics = Annotated[dict[MetricName, float], Meta(max_length=16)]  # a recipe's metrics, beside the loss
 
 
@@ -330,7 +330,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     # a backbone peer (join --backbone): computes no gradients; it averages, serves the state and the data set
     backbone: bool = False
     # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
-    compute_share: float | None = None
+    compute_share: Annotated[float, Meta(ge=0, le=1000)] | None = None
     eval: EvalReport | None = None  # its evaluation of the held-out split, once per evaluated step
 
 

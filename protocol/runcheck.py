@@ -33,6 +33,8 @@ MAX_GROUP_SIZE = 256  # the averager's max_members
 MAX_MICRO_BATCH = 1 << 20
 MAX_MODEL_ARG = (1 << 31) - 1
 # a recipe is a name in the built-in recipes or an entry point: never a path
+MAX_LR = 10.0  # a learning rate above this diverges at once: a typo (1e300), not a choice
+MIN_WAIT_S = 0.01  # the shortest round, gather or step timeout: below it nothing can answer in time
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:-]{0,199}$")
 # a chunk is a file in the data set's folder: a plain name, never a path
 CHUNK_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
@@ -89,7 +91,7 @@ def _positive(field: str, value: float, high: float = math.inf) -> None:
 
 def check_optimizer(spec: OptimizerSpec) -> None:
     checks = [
-        ("lr", spec.lr, spec.lr > 0),
+        ("lr", spec.lr, 0 < spec.lr <= MAX_LR),
         ("weight_decay", spec.weight_decay, spec.weight_decay >= 0),
         ("beta1", spec.beta1, 0 <= spec.beta1 < 1),
         ("beta2", spec.beta2, 0 <= spec.beta2 < 1),
@@ -99,7 +101,8 @@ def check_optimizer(spec: OptimizerSpec) -> None:
     ]
     for name, value, ok in checks:
         if not (math.isfinite(value) and ok):
-            raise ConfigError(f"optimizer.{name}", f"value {value!r} is out of range")
+            bound = f" (a learning rate is above 0 and at most {MAX_LR:g})" if name == "lr" else ""
+            raise ConfigError(f"optimizer.{name}", f"value {value!r} is out of range{bound}")
 
 
 def check_schedule(schedule: ScheduleSpec) -> None:
@@ -119,6 +122,10 @@ def check_averaging(avg: AveragingSpec) -> None:
     _int("averaging.state_lag_tolerance", avg.state_lag_tolerance, 0)
     for name in ("round_timeout_s", "gather_s", "step_timeout_s"):
         _positive(f"averaging.{name}", getattr(avg, name), 86400.0)
+        if getattr(avg, name) < MIN_WAIT_S:
+            raise ConfigError(
+                f"averaging.{name}", f"must be at least {MIN_WAIT_S} s, got {getattr(avg, name)!r}"
+            )
     share = avg.max_peer_share
     if not (math.isfinite(share) and 0 < share <= 1):
         raise ConfigError("averaging.max_peer_share", f"must be above 0 and at most 1, got {share}")
@@ -154,7 +161,7 @@ def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:
     samples = 0
     for i, c in enumerate(m.chunks):
         where = f"{field}.chunks[{i}]"
-        if not CHUNK_NAME.match(c.name) or ".." in c.name:
+        if not CHUNK_NAME.fullmatch(c.name) or ".." in c.name:
             raise ConfigError(
                 f"{where}.name", f"{c.name[:80]!r} is not a plain file name (letters, digits, '.', '_', '-')"
             )
@@ -163,7 +170,7 @@ def check_manifest(m: DatasetManifest, field: str = "dataset.manifest") -> None:
         names.add(c.name)
         _int(f"{where}.samples", c.samples, 1)
         _int(f"{where}.bytes", c.bytes, 1, 1 << 40)
-        if not HEX64.match(c.sha256):
+        if not HEX64.fullmatch(c.sha256):
             raise ConfigError(f"{where}.sha256", "must be 64 lowercase hex digits")
         samples += c.samples
     _int(f"{field}.total_samples", m.total_samples, 1)
@@ -224,7 +231,7 @@ def check_run(msg: RunCreate | RunSpec) -> None:
     """Raise :class:`ConfigError` naming the first field that makes ``msg`` a run no volunteer can run."""
     check_text("name", msg.name)
     check_text("model.recipe", msg.model.recipe)
-    if not RECIPE_NAME.match(msg.model.recipe):
+    if not RECIPE_NAME.fullmatch(msg.model.recipe):
         raise ConfigError(
             "model.recipe",
             f"{msg.model.recipe[:80]!r} is not a recipe name (letters, digits, '.', '_', '-', ':')",

@@ -277,3 +277,14 @@ def test_replace_returns_a_changed_copy():
     with pytest.raises(AttributeError):
         msg.peer_id = "c"  # frozen
     assert isinstance(msg, msgspec.Struct)
+
+
+def test_a_compute_share_past_any_share_is_refused_not_shown_as_infinity():
+    """Issue 29: a reported compute share of 1e308 showed as "Infinity%" on the run page."""
+    from crowdtrain.protocol.errors import ProtocolError
+    from crowdtrain.protocol.messages import Heartbeat, decode, encode
+
+    fine = Heartbeat(peer_id="p", step=1, samples=0, samples_per_s=1.0, compute_share=0.97)
+    assert decode(encode(fine), Heartbeat).compute_share == 0.97
+    with pytest.raises(ProtocolError, match="compute_share"):
+        decode(encode(fine).replace(b"0.97", b"1e308"), Heartbeat)

@@ -635,6 +635,10 @@ def _with(path: str, value):
         (_with("name", "run\u202egnp.exe"), "name"),
         (_with("model.recipe", "mlp\n"), "model.recipe"),
         (_with("dataset.manifest.name", "set\x07"), "dataset.manifest.name"),
+        (_with("dataset.manifest.chunks.0.name", "chunk-00000.bin\n"), "dataset.manifest.chunks[0].name"),
+        (_with("optimizer.lr", 1e300), "optimizer.lr"),
+        (_with("averaging.step_timeout_s", 1e-300), "averaging.step_timeout_s"),
+        (_with("averaging.gather_s", 1e-300), "averaging.gather_s"),
     ],
 )
 async def test_create_refuses_a_run_no_volunteer_could_run_naming_the_field(tracker, mutate, field):

@@ -271,7 +271,8 @@ class RunState:
             now=now,
             step_open=self.closed_at is None,
         )
-        peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, hb.compute_share
+        computed = None if hb.compute_share is None else min(1.0, hb.compute_share)  # (a share: at most 1)
+        peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, computed
         peer.backbone = hb.backbone
         peer.last_seen = now
         self.freed_now(free)

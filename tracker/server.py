@@ -270,7 +270,7 @@ class Tracker:
     def run_of(self, request: web.Request) -> Run:
         """The run the request's path names: 404 if there is none, 410 if its admin deleted it."""
         run_id = request.match_info["run_id"]
-        run = self.runs.get(run_id) if RUN_ID.match(run_id) else None
+        run = self.runs.get(run_id) if RUN_ID.fullmatch(run_id) else None
         if run is not None and run.deleted:
             raise ApiError(410, f"run {run_id} was deleted by its admin; it takes no more steps")
         if run is None:

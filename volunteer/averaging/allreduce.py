@@ -186,7 +186,7 @@ class Averager:
             ) from None
         if a.run_id != self.run_id:
             raise AveragingError(f"group assignment is for run {a.run_id!r}, not {self.run_id!r}")
-        if not NAME.match(a.round_id) or not NAME.match(tag):
+        if not NAME.fullmatch(a.round_id) or not NAME.fullmatch(tag):
             raise AveragingError(
                 f"round id {a.round_id!r} and tag {tag!r} must be 1–200 letters, digits, '.', '_' or '-'"
             )

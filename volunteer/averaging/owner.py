@@ -251,7 +251,7 @@ class Owner:
         first: strangers learn nothing about the round."""
         info = request.match_info
         round_id, tag, part_s = info["round_id"], info["tag"], info["part"]
-        if not NAME.match(round_id) or not NAME.match(tag) or not part_s.isdigit() or len(part_s) > 6:
+        if not NAME.fullmatch(round_id) or not NAME.fullmatch(tag) or not part_s.isdigit() or len(part_s) > 6:
             raise _Refused(400, "the path must be /v1/allreduce/<round id>/<tag>/<part number>")
         key, part = f"{round_id}/{tag}", int(part_s)
         weight_s = request.headers.get(HEADER_WEIGHT, "")[:64]

@@ -154,7 +154,7 @@ def check_manifest(manifest: StateManifest, version: StateVersion, run_id: str, 
     count = -(-manifest.total_bytes // manifest.range_bytes)
     if len(manifest.range_sha256) != count:
         raise ProtocolError(f"manifest lists {len(manifest.range_sha256)} range hashes for {count} ranges")
-    if not all(HEX64.match(h) for h in manifest.range_sha256):
+    if not all(HEX64.fullmatch(h) for h in manifest.range_sha256):
         raise ProtocolError("manifest range hashes must be 64 lowercase hex digits each")
 
 
@@ -171,7 +171,7 @@ async def fetch_state(
 ) -> bytes | Path:
     """Download and verify the state ``version`` from ``donors``: its bytes, or the file ``into`` holding
     them; raise :class:`StateSyncError` if no donor can deliver it."""
-    if not HEX64.match(version.content_hash):
+    if not HEX64.fullmatch(version.content_hash):
         raise StateSyncError(f"state content hash {version.content_hash[:80]!r} is not 64 hex digits")
     states = {i: _DonorState(d) for i, d in enumerate(_unique(donors))}
     if not states:

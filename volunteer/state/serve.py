@@ -148,7 +148,7 @@ class StateServer:
 
     def _lookup(self, request: web.Request, *fields: str) -> _Served:
         content_hash = request.match_info["content_hash"]
-        if not HEX64.match(content_hash):
+        if not HEX64.fullmatch(content_hash):
             raise _error(
                 web.HTTPNotFound, f"{content_hash[:80]!r} is not a state content hash (64 hex digits)"
             )
