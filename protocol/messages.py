@@ -513,6 +513,16 @@ class StepHistory(Message, frozen=True, kw_only=True):
     evals: list[EvalRecord] = []  # the held-out evaluations of those steps' states, oldest first
 
 
+class CreditRecord(Message, frozen=True, kw_only=True):
+    """One identity's credit in a run (the tracker's credit ledger, durable): what of its work entered an
+    average, by its public key (a peer id is new at every join; the key is the volunteer's own)."""
+
+    public_key: Hex64
+    samples: Count  # samples of its that entered the steps' averages (the weight it was credited with)
+    steps: Count  # steps it was averaged in (a backbone's, at weight 0, count too)
+    last_step: Count  # the newest of them
+
+
 class RunStatus(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     run_id: str
@@ -535,6 +545,7 @@ class RunStatus(Message, frozen=True, kw_only=True):
     # steps, a global step is an outer round of H inner steps per volunteer) and its codec
     inner_steps: int = 1
     codec: CodecName | None = None
+    credits: list[CreditRecord] = []  # the credit ledger's leaders, most samples first
 
 
 class ErrorBody(Message, frozen=True, kw_only=True):

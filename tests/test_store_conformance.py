@@ -114,6 +114,25 @@ def test_a_closed_step_is_recorded_and_advances_the_run(store):
     assert store.history("no-such-run") == []
 
 
+def test_the_credit_ledger_adds_up_each_key_s_averaged_samples_and_steps_with_the_steps(store):
+    run, other = spec(), spec("other")
+    a, b, c = "aa" * 32, "bb" * 32, "cc" * 32
+    for r in (run, other):
+        store.add_run(r, torrent(), None)
+    store.close_step(run.run_id, record(0), [(a, 40), (b, 24), (c, 0)])  # c: a backbone, weight 0
+    store.close_step(run.run_id, record(1), [(a, 30), (b, 34)])
+    store.close_step(other.run_id, record(0), [(c, 99)])
+    assert [(x.public_key, x.samples, x.steps, x.last_step) for x in store.credits(run.run_id)] == [
+        (a, 70, 2, 1),
+        (b, 58, 2, 1),
+        (c, 0, 1, 0),
+    ]
+    assert [x.public_key for x in store.credits(run.run_id, limit=1)] == [a]
+    assert [(x.public_key, x.samples) for x in store.credits(other.run_id)] == [(c, 99)]
+    store.delete_run(run.run_id)
+    assert store.credits(run.run_id) == [] and len(store.credits(other.run_id)) == 1
+
+
 def test_closing_a_run_keeps_its_first_time(store):
     run = spec()
     store.add_run(run, torrent(), None)
@@ -158,7 +177,7 @@ def test_a_durable_store_holds_everything_after_it_is_opened_again(name, tmp_pat
     run = spec()
     store.add_run(run, torrent(), "ef" * 32, b"{}")
     store.set_meta("tracker_key", b"key")
-    store.close_step(run.run_id, record(0))
+    store.close_step(run.run_id, record(0), [("ab" * 32, 24)])
     store.add_eval(run.run_id, EvalReport(step=1, loss=1.0, metrics={"acc": 1.0}, samples=100))
     store.close_run(run.run_id, 3000.0)
     store.close()
@@ -169,4 +188,5 @@ def test_a_durable_store_holds_everything_after_it_is_opened_again(name, tmp_pat
     assert again.history(run.run_id) == [record(0)]
     assert again.evals(run.run_id)[0].metrics == {"acc": 1.0}
     assert again.tokenizer(run.run_id) == b"{}"
+    assert [(c.public_key, c.samples, c.steps) for c in again.credits(run.run_id)] == [("ab" * 32, 24, 1)]
     again.close()

@@ -215,3 +215,24 @@ def test_status_escapes_control_characters_a_tracker_of_an_earlier_version_store
     assert "\\x00\\r\\n  global step   999\\x1b[2J\\u202eexe" in text and "bad\\rnotice" in text
     assert not any(ch in text for ch in "\x00\r\x1b\u202e")
     assert [line for line in text.splitlines() if line.startswith("  global step")] == ["  global step   1"]
+
+
+def test_status_shows_the_credit_ledger_and_a_backbone():
+    from crowdtrain.commands.status import format_status
+    from crowdtrain.protocol.messages import CreditRecord, PeerStatus, RunStatus
+
+    backbone = PeerStatus(
+        peer_id="bb01", step=3, samples=0, samples_per_s=0.0, client_mode=False, chunks_held=4,
+        address="203.0.113.7:41234", reachable=True, backbone=True,
+    )  # fmt: skip
+    status = RunStatus(
+        run_id="r-1", name="run", global_step=3, samples=0, target=8, eta_s=None, peers_online=1,
+        samples_per_s=0.0, peers=[backbone], recent_steps=[],
+        credits=[CreditRecord(public_key="ab" * 32, samples=1234, steps=3, last_step=2),
+                 CreditRecord(public_key="cd" * 32, samples=0, steps=3, last_step=2)],
+    )  # fmt: skip
+    lines = format_status(status).splitlines()
+    assert any(line.endswith("backbone, reachable at 203.0.113.7:41234") for line in lines), lines
+    start = lines.index("  credit ledger (samples of each volunteer key that entered the averages):")
+    assert lines[start + 2].split() == ["abababababababab…", "1,234", "3", "2"]
+    assert lines[start + 3].split() == ["cdcdcdcdcdcdcdcd…", "0", "3", "2"]

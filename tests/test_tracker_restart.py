@@ -52,8 +52,11 @@ async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_rereg
             await v.wait_reachable()
             await v.heartbeat(0, 10)
             assert (await v.ready(0, 10)).status == "group"
-            history = (await c.status(run_id)).recent_steps
+            before = await c.status(run_id)
+            history = before.recent_steps
             assert [r.step for r in history] == [0]
+            # the credit ledger: its key's 10 samples entered step 0's average
+            assert [(x.public_key, x.samples, x.steps) for x in before.credits] == [(v.key.public_hex, 10, 1)]
     finally:
         await v.close()
         first.kill()
@@ -69,6 +72,7 @@ async def test_sigkill_and_restart_keeps_runs_tokens_history_and_heartbeat_rereg
             status = await c.status(run_id)
             assert (status.global_step, status.peers_online) == (1, 0)
             assert status.recent_steps == history
+            assert status.credits == before.credits  # the credit ledger survives the SIGKILL
             # the private run still wants its token
             with pytest.raises(TrackerError, match="is private"):
                 await SimVolunteer(c, run_id).join()

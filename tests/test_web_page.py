@@ -94,6 +94,9 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 shown = int(field(first, "step"))
                 assert shown >= step >= 3
                 assert peer_rows(first) == 3
+                # the credit ledger: one row per volunteer key whose samples entered the averages
+                ledger = re.search(r"<table id=\"?credits\"?.*?<tbody>(.*?)</tbody>", first, re.S)
+                assert ledger and ledger.group(1).count("<tr>") == 3, ledger
                 # the seeder and the volunteers announce the data set to this tracker
                 assert re.fullmatch(r"\d+ peers, [1-9]\d* seeds", field(first, "swarm")), field(
                     first, "swarm"

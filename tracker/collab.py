@@ -414,7 +414,9 @@ class RunState:
         )
         closed_at = self.closed_at if self.closed_at is not None else now
         record = step_record(step, candidates, phases[0], seed, self.peers, closed_at, now - self.opened_at)
-        self.store.close_step(self.run_id, record)  # (it advances the stored global step too)
+        # (it advances the stored global step too, and credits each averaged identity: the credit ledger)
+        credits = [(self.peers[c.peer_id].public_key, c.weight) for c in candidates]
+        self.store.close_step(self.run_id, record, credits)
         self.rounds.add(step, assignments)
         self._advance(candidates, now)
         for callback in self.on_formed:

@@ -88,6 +88,9 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
  stroke-width=2 points="" data-points=0 /><text id=eval-label x=8 y=16 font-size=12 fill="#6a7385"></text></svg>
 <table id=evals><thead><tr><th>step</th><th>loss</th><th>metrics</th><th>volunteers</th></tr></thead>
 <tbody></tbody></table>
+<h2>Credit ledger (what each volunteer key put into the averages)</h2>
+<table id=credits><thead><tr><th>volunteer key</th><th>samples averaged</th><th>steps</th><th>last step</th>
+</tr></thead><tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>
 <th>loss</th></tr></thead><tbody></tbody></table>
@@ -167,6 +170,8 @@ async function refresh() {
     curve("eval", hist.evals.map((e) => e.loss), 640, 160);
     const evals = $("evals").tBodies[0]; evals.replaceChildren();
     for (const e of st.evals) evals.appendChild(row([e.step, num(e.loss, 4), metrics(e) || "–", e.reports]));
+    const credits = $("credits").tBodies[0]; credits.replaceChildren();
+    for (const c of st.credits) credits.appendChild(row([c.public_key.slice(0, 16) + "…", c.samples, c.steps, c.last_step]));
     text("updated", new Date().toLocaleTimeString());
   } catch (e) { text("notice", "could not read the run's status (" + e.message + "); retrying"); }
 }

@@ -81,6 +81,7 @@ class Run:
             evals=state.store.evals(state.run_id),
             inner_steps=state.spec.averaging.inner_steps,
             codec=state.spec.averaging.codec,
+            credits=state.store.credits(state.run_id),
         )
 
     def history(self, limit: int) -> StepHistory:

@@ -1,5 +1,5 @@
 """Durable tracker state: its key and admin token, data sets, runs (with their torrent and tokenizer), step
-history, held-out evaluations. :class:`RunStore` is what the tracker asks of a store; :class:`Store` keeps it
+history, held-out evaluations, the credit ledger (per volunteer key: samples averaged, steps). :class:`RunStore` is what the tracker asks of a store; :class:`Store` keeps it
 in SQLite (WAL), in a file or (``":memory:"``) for one process. Every implementation passes
 ``tests/test_store_conformance.py`` (chihaya's ``storage_tests`` shape).
 
@@ -14,11 +14,20 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from crowdtrain.protocol.messages import EvalRecord, EvalReport, RunSpec, StepRecord, decode, encode
+from crowdtrain.protocol.messages import (
+    CreditRecord,
+    EvalRecord,
+    EvalReport,
+    RunSpec,
+    StepRecord,
+    decode,
+    encode,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
@@ -31,6 +40,9 @@ CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
     loss REAL, PRIMARY KEY (run_id, step));
+CREATE TABLE IF NOT EXISTS credits (
+    run_id TEXT NOT NULL, public_key TEXT NOT NULL, samples INTEGER NOT NULL, steps INTEGER NOT NULL,
+    last_step INTEGER NOT NULL, PRIMARY KEY (run_id, public_key));
 CREATE TABLE IF NOT EXISTS evals (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL NOT NULL, metrics TEXT NOT NULL,
     reports INTEGER NOT NULL, PRIMARY KEY (run_id, step));
@@ -84,8 +96,13 @@ class RunStore(Protocol):
         """The run, its step history and its evaluations go (its data set stays registered)."""
         ...
 
-    def close_step(self, run_id: str, record: StepRecord) -> None:
-        """Record a closed step and advance the run's global step past it, atomically."""
+    def close_step(self, run_id: str, record: StepRecord, credits: Sequence[tuple[str, int]] = ()) -> None:
+        """Record a closed step, credit each (public key, samples) averaged in it, and advance the run's global
+        step past it, atomically."""
+        ...
+
+    def credits(self, run_id: str, limit: int = 20) -> list[CreditRecord]:
+        """The credit ledger's ``limit`` leaders: most samples first."""
         ...
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
@@ -192,10 +209,12 @@ class Store:
             self._db.execute("BEGIN")
             self._db.execute("DELETE FROM steps WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM evals WHERE run_id = ?", (run_id,))
+            self._db.execute("DELETE FROM credits WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
 
-    def close_step(self, run_id: str, record: StepRecord) -> None:
-        """Record a closed step and advance the run's global step past it, atomically."""
+    def close_step(self, run_id: str, record: StepRecord, credits: Sequence[tuple[str, int]] = ()) -> None:
+        """Record a closed step, credit each (public key, samples) averaged in it, and advance the run's global
+        step past it, atomically."""
         with self._db:
             self._db.execute("BEGIN")
             self._db.execute(
@@ -214,7 +233,21 @@ class Store:
                     record.loss,
                 ),
             )
+            self._db.executemany(
+                "INSERT INTO credits (run_id, public_key, samples, steps, last_step) VALUES (?, ?, ?, 1, ?)"
+                " ON CONFLICT (run_id, public_key) DO UPDATE SET samples = samples + excluded.samples,"
+                " steps = steps + 1, last_step = max(last_step, excluded.last_step)",
+                [(run_id, key, samples, record.step) for key, samples in credits],
+            )
             self._db.execute("UPDATE runs SET global_step = ? WHERE run_id = ?", (record.step + 1, run_id))
+
+    def credits(self, run_id: str, limit: int = 20) -> list[CreditRecord]:
+        rows = self._db.execute(
+            "SELECT public_key, samples, steps, last_step FROM credits WHERE run_id = ?"
+            " ORDER BY samples DESC, steps DESC, public_key LIMIT ?",
+            (run_id, limit),
+        ).fetchall()
+        return [CreditRecord(public_key=k, samples=n, steps=s, last_step=last) for k, n, s, last in rows]
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
         rows = self._db.execute(

@@ -66,8 +66,8 @@ class Volunteer:
     ) -> None:
         self.config = config
         self.summary = Summary()
-        self.key = SigningKey()
-        self._me = Volunteering(config, self.key, self.summary, asyncio.Event(), emit, record)
+        # (its data folder's key replaces this one when it joins: volunteer/folder.py)
+        self._me = Volunteering(config, SigningKey(), self.summary, asyncio.Event(), emit, record)
         self._run: JoinedRun | None = None  # once joined
         self._training: Training | None = None
 

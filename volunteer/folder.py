@@ -3,6 +3,9 @@ exit, so a second volunteer started on the same folder (two ``join`` of one run 
 told so in a sentence instead of breaking the first one's snapshots and chunks. A folder the volunteer made
 for itself and left with nothing in it (a join that failed) is removed again.
 
+The folder also keeps the volunteer's identity, its Ed25519 key (``DATA_DIR/.crowdtrain-key``, owner-only):
+the same volunteer joining again is the same key, so the tracker's credit ledger adds up its work.
+
 The lock is ``flock``: the kernel drops it when the process dies, however it dies, so a SIGKILLed volunteer
 never leaves a folder locked.
 """
@@ -15,9 +18,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import CrowdtrainError
 
 LOCK_NAME = ".crowdtrain.lock"
+KEY_NAME = ".crowdtrain-key"
 
 
 @contextlib.contextmanager
@@ -47,9 +52,28 @@ def data_folder(path: Path) -> Iterator[Path]:
             yield path
         finally:
             os.ftruncate(fd, 0)
-            if made and {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+            if made and {p.name for p in path.iterdir()} <= {LOCK_NAME, KEY_NAME}:
+                (path / KEY_NAME).unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     path.rmdir()
     finally:
         os.close(fd)
+
+
+def folder_key(path: Path) -> SigningKey:
+    """The volunteer's key kept in its (held) data folder: read, or made and kept (mode 0600)."""
+    kept = path / KEY_NAME
+    try:
+        raw = kept.read_bytes()
+    except FileNotFoundError:
+        key = SigningKey()
+        tmp = kept.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(key.private_bytes())
+        os.replace(tmp, kept)
+        return key
+    if len(raw) != 32:
+        raise CrowdtrainError(f"{kept} is not a crowdtrain key (32 bytes); move it away to start afresh")
+    return SigningKey.from_bytes(raw)

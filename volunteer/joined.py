@@ -38,7 +38,7 @@ from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
-from crowdtrain.volunteer.folder import data_folder
+from crowdtrain.volunteer.folder import data_folder, folder_key
 from crowdtrain.volunteer.local import make_trainer
 from crowdtrain.volunteer.models import check_param_hash, get_recipe, preflight
 from crowdtrain.volunteer.models.origin import check_origin
@@ -330,6 +330,7 @@ async def join_run(me: Volunteering) -> AsyncIterator[JoinedRun]:
     """Join the run ``me.config`` names, holding its data folder (one volunteer per folder); on the way out
     stop accepting peers, tell the tracker, then close what talks to the network."""
     with data_folder(me.config.data_dir):
+        me.key = folder_key(me.config.data_dir)  # (the same volunteer joining again: the same identity)
         async with _join(me) as run:
             yield run
 

@@ -70,6 +70,11 @@ def format_status(status) -> str:  # status: RunStatus
                 f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6}"
                 f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
             )
+    if status.credits:
+        lines.append("  credit ledger (samples of each volunteer key that entered the averages):")
+        lines.append(f"    {'volunteer key':<18} {'samples':>10} {'steps':>6} {'last step':>9}")
+        for c in status.credits:
+            lines.append(f"    {c.public_key[:16] + '…':<18} {c.samples:>10,} {c.steps:>6} {c.last_step:>9}")
     if status.evals:
         lines.append("  held-out evaluations:")
         for e in status.evals:
@@ -87,7 +92,7 @@ def status(
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for the tracker."),
 ) -> None:
     """Show a run's global step, samples toward the target, peers online, their throughput and compute
-    share, recent steps and held-out evaluations."""
+    share, recent steps, the credit ledger and held-out evaluations."""
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.protocol.messages import encode
 
