@@ -678,3 +678,16 @@ async def test_a_malformed_http_request_is_refused_with_one_log_line_not_a_trace
         assert r.exc_info is None and r.exc_text is None
         assert r.getMessage().startswith("refused a malformed HTTP request from 127.0.0.1: ")
         assert "\n" not in r.getMessage()
+
+
+def test_the_join_limiter_forgets_the_longest_silent_client_not_everyone():
+    """Issue 29: at 100,000 addresses it forgot every client at once, so a flood from many addresses reset
+    the limit of the one hammering it. Now the least recently heard goes first; an address asking stays."""
+    from crowdtrain.tracker.server import TokenBucket
+
+    bucket = TokenBucket(rate=0.001, burst=2, capacity=3)
+    assert bucket.allow("hammer") and bucket.allow("hammer") and not bucket.allow("hammer")
+    for i in range(10):  # a flood of other addresses, the hammer asking between them
+        assert bucket.allow(f"10.0.0.{i}")
+        assert not bucket.allow("hammer")
+    assert len(bucket.state) == 3 and "hammer" in bucket.state

@@ -79,3 +79,17 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
     assert min(recs[2].batches) >= caught
     assert len(recs[2].batches) >= AFTER - 1, sorted(recs[2].batches)
     assert summaries[2].steps_done >= AFTER and summaries[2].steps_missed == 0
+
+
+def test_a_newcomer_accepts_a_state_no_larger_than_its_model_could_make():
+    """Issue 29: it accepted 16 GiB whatever the model. The bound follows the model (8 × its bytes, for the
+    optimizers' tensors, + 64 MiB of header), never above the configured ceiling; the catch-up tests (every
+    step and local steps, tiny-gpt) load real states within it."""
+    import torch
+
+    from crowdtrain.volunteer.catchup import STATE_HEADER_BYTES, state_bound
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.BatchNorm1d(100))
+    own = (100 * 100 + 100 + 4 * 100) * 4 + 8  # fp32 weights, bias, BatchNorm's 4 vectors; its int64 count
+    assert state_bound(model, 16 << 30) == 8 * own + STATE_HEADER_BYTES
+    assert state_bound(model, 1 << 20) == 1 << 20

@@ -34,6 +34,7 @@ import re
 import secrets
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
@@ -70,26 +71,27 @@ STRAGGLE_CHECK_S = 0.25  # how often each run looks for stragglers (collab.revok
 
 
 class TokenBucket:
-    """Per-client-IP rate limit (joins)."""
+    """Per-client-IP rate limit (joins). It remembers at most ``capacity`` clients, forgetting the one heard
+    from longest ago first: a client asking now is never forgotten (forgetting everyone at once, as it did,
+    let a flood from many addresses reset every limit)."""
 
-    def __init__(self, rate: float, burst: int) -> None:
+    def __init__(self, rate: float, burst: int, capacity: int = 100_000) -> None:
         self.rate = rate
         self.burst = burst
-        self.state: dict[str, tuple[float, float]] = {}
+        self.capacity = capacity
+        self.state: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def allow(self, key: str) -> bool:
         if self.rate <= 0:
             return True
         now = time.monotonic()
-        tokens, last = self.state.get(key, (float(self.burst), now))
+        tokens, last = self.state.pop(key, (float(self.burst), now))
         tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-        if tokens < 1:
-            self.state[key] = (tokens, now)
-            return False
-        if len(self.state) > 100_000:
-            self.state.clear()
-        self.state[key] = (tokens - 1, now)
-        return True
+        allowed = tokens >= 1
+        self.state[key] = (tokens - allowed, now)  # (the newest at the end)
+        while len(self.state) > self.capacity:
+            self.state.popitem(last=False)
+        return allowed
 
 
 class Tracker:

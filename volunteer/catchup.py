@@ -10,6 +10,7 @@ steps never restarts from the initial parameters.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,20 @@ from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
 from crowdtrain.volunteer.snapshots import Snapshotter
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.snapshot import SnapshotHeader, read_snapshot_header
+
+# A state holds the model's tensors and its optimizers' (AdamW: two per parameter; local steps: the outer
+# anchor and momentum too): at most this many times the model's own bytes, plus the header's JSON
+STATE_PER_MODEL_BYTE = 8
+STATE_HEADER_BYTES = 64 << 20
+
+
+def state_bound(model, ceiling: int) -> int:  # model: torch.nn.Module
+    """The most bytes a state of ``model``'s run can take (never above ``ceiling``): a donor offering more
+    is refused before anything is read, whatever its manifest says (issue 29: a newcomer accepted 16 GiB
+    whatever the model)."""
+    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return min(ceiling, STATE_PER_MODEL_BYTE * own + STATE_HEADER_BYTES)
+
 
 # A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
 STATE_POLL_S = 5.0
@@ -178,7 +193,10 @@ class CatchUp:
                 run_id=run.config.run_id,
                 key=run.key,
                 credential=run.credential,
-                config=run.config.state,
+                config=dataclasses.replace(
+                    run.config.state,
+                    max_state_bytes=state_bound(run.trainer.model, run.config.state.max_state_bytes),
+                ),
                 emit=run.emit,
                 into=incoming,  # written as it is verified: never held in memory whole
             )
