@@ -127,9 +127,14 @@ def sign_assignment(tracker: SigningKey, a: GroupAssignment) -> GroupAssignment:
 def verify_assignment(a: GroupAssignment, tracker_public_key: str) -> None:
     """Raise :class:`AuthError` unless the tracker signed the root this assignment's path leads to."""
     digest = _leaf(a)
-    for step in a.proof:  # the message's bounds hold: ``l`` or ``r`` and 64 hex characters, ≤ 32 of them
-        sibling = bytes.fromhex(step[1:])
-        digest = _node(sibling, digest) if step[0] == "l" else _node(digest, sibling)
+    try:
+        for step in a.proof:  # (decoded messages hold ``l`` or ``r`` and 64 hex characters, ≤ 32 of them)
+            sibling = bytes.fromhex(step[1:])
+            if step[:1] not in ("l", "r") or len(sibling) != 32:
+                raise ValueError(step)
+            digest = _node(sibling, digest) if step[0] == "l" else _node(digest, sibling)
+    except ValueError:
+        raise AuthError("group assignment carries an invalid signature") from None
     verify(tracker_public_key, a.signature, _ROOT + digest, "group assignment")
 
 

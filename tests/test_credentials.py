@@ -163,6 +163,9 @@ def test_a_round_is_signed_once_and_each_assignment_proves_itself_alone(tracker_
         replace(first, proof=first.proof[:-1]),  # a level left out
         replace(first, proof=[]),
         replace(first, step=first.step + 1),
+        replace(first, proof=["x" + "0" * 64, *first.proof[1:]]),  # (built in-process: no message bounds)
+        replace(first, proof=["r" + "zz", *first.proof[1:]]),
+        replace(first, proof=["l" + "00" * 31, *first.proof[1:]]),
     ):
         with pytest.raises(AuthError, match="group assignment carries an invalid signature"):
             verify_assignment(forged, tracker_key.public_hex)
