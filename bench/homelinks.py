@@ -11,8 +11,10 @@ group of 4; local rows add ``inner_steps = H`` and ``inner_batch_size = 64``.
     python bench/homelinks.py --markdown                               # 2 Mbit/s: every-step, H = 10
     python bench/homelinks.py --uplink 20mbit --configs 1:int8:0,10:int8:0
     python bench/homelinks.py --configs 10:sparse:0,10:sparse:1 --rounds 4
+    python bench/homelinks.py --uplink 20mbit,2mbit,2mbit,2mbit --configs 1:int8:0:equal,1:int8:0:upload
 
-A configuration is ``H:codec:delay``. Each runs until every volunteer applied ``--rounds`` global steps (an
+A configuration is ``H:codec:delay`` or ``H:codec:delay:parts`` (``[averaging] part_sizes``: ``upload``, the
+default, or ``equal``); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
 every-step row ``--steps``), then the volunteers are stopped with Ctrl-C. Measured from outside, from the
 volunteers' ``--json`` events and the hosts' qdiscs:
 - compute share: each volunteer's last ``StepDone.compute_share`` (the share of its wall time since its first
@@ -48,7 +50,11 @@ NAMES = ("v1", "v2", "v3", "v4")
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--uplink", default="2mbit", help="each volunteer's uplink rate (tc's units, e.g. 2mbit)")
+    ap.add_argument(
+        "--uplink",
+        default="2mbit",
+        help="each volunteer's uplink rate (tc's units, e.g. 2mbit), or one per volunteer, comma-separated",
+    )
     ap.add_argument("--configs", default="1:int8:0,1:int8:1,10:int8:0,10:int8:1,10:sparse:0,10:sparse:1")
     ap.add_argument("--rounds", type=int, default=4, help="global steps every volunteer takes (local rows)")
     ap.add_argument(
@@ -60,27 +66,34 @@ def parse_args() -> argparse.Namespace:
         "--verbose", action="store_true", help="each volunteer's compute / step seconds, step by step"
     )
     args = ap.parse_args()
-    args.configs = [
-        (int(h), codec, int(d)) for h, codec, d in (c.split(":") for c in args.configs.split(","))
-    ]
+    args.configs = [_config(c) for c in args.configs.split(",")]
+    rates = args.uplink.split(",")
+    args.uplinks = dict(
+        zip(NAMES, rates if len(rates) == len(NAMES) else rates[:1] * len(NAMES), strict=True)
+    )
     return args
 
 
-def run_file(h: int, codec: str, delay: int) -> str:
+def _config(text: str) -> tuple[int, str, int, str]:
+    h, codec, delay, *parts = text.split(":")
+    return int(h), codec, int(delay), parts[0] if parts else "upload"
+
+
+def run_file(h: int, codec: str, delay: int, parts: str = "upload") -> str:
     """The test's run file with this row's [averaging] lines (H = 1: the every-step mode)."""
     base = HOME_TOML
     for line in ('codec = "sparse"\n', "inner_steps = 10\n", "inner_batch_size = 64\n"):
         base = base.replace(line, "")
-    lines = f'codec = "{codec}"\ndelay = {delay}\n'
+    lines = f'codec = "{codec}"\ndelay = {delay}\npart_sizes = "{parts}"\n'
     return base + lines + (f"inner_steps = {h}\ninner_batch_size = 64\n" if h > 1 else "")
 
 
-def one_row(h: int, codec: str, delay: int, args: argparse.Namespace, tmp: Path) -> dict:
+def one_row(h: int, codec: str, delay: int, parts: str, args: argparse.Namespace, tmp: Path) -> dict:
     steps = args.steps if h == 1 else args.rounds
     with Network(["tracker", "seeder", *NAMES]) as net:
         for n in NAMES:
-            net.hosts[n].shape(args.uplink)
-        pub = Published(net, tmp, run_toml=run_file(h, codec, delay))
+            net.hosts[n].shape(args.uplinks[n])
+        pub = Published(net, tmp, run_toml=run_file(h, codec, delay, parts))
         vols: dict[str, Cli] = {n: pub.join(net.hosts[n], tmp) for n in NAMES}
         before = {n: tbf_bytes_sent(net.hosts[n]) for n in NAMES}
         started = time.monotonic()
@@ -96,12 +109,13 @@ def one_row(h: int, codec: str, delay: int, args: argparse.Namespace, tmp: Path)
     first = max(min(e["step"] for e in v.of("StepDone")) for v in vols.values())
     end = min(max(e["step"] for e in v.of("StepDone")) for v in vols.values()) + 1
     counted = range(first, end)
-    shares, steady, per_token, gaps, notes = [], [], [], [], []
+    shares, steady, per_token, gaps, notes, rounds = [], [], [], [], [], []
     for n, v in vols.items():
         done = [e for e in v.of("StepDone") if e["step"] in counted]
         shares.append(v.of("StepDone")[-1]["compute_share"] or 0.0)
         tokens = sum(e["group_samples"] for e in done) * SEQ_LEN
         sent = sum(e["bytes_sent"] for e in v.of("RoundDone") if e["step"] in counted)
+        rounds += [e["duration_s"] for e in v.of("RoundDone") if e["step"] in counted and e["kind"] == "grad"]
         per_token.append(sent / tokens if tokens else float("nan"))
         times = [e["t"] for e in v.of("StepDone")]
         gaps += [b - a for a, b in itertools.pairwise(times)]
@@ -111,6 +125,13 @@ def one_row(h: int, codec: str, delay: int, args: argparse.Namespace, tmp: Path)
             span = later[-1]["t"] - done[0]["t"]
             steady.append(sum(e["compute_s"] for e in later) / span if span > 0 else float("nan"))
         if args.verbose:
+            ups = [
+                f"{e['step']}: p{e['my_part']} {e['bytes_sent'] / 1e3:.0f} kB / {e['phases'].get('upload', 0):.1f} s "
+                f"in {e['duration_s']:.1f} s"
+                for e in v.of("RoundDone")
+                if e["kind"] == "grad"
+            ]
+            print(f"    {n} rounds: " + ", ".join(ups))
             print(
                 f"    {n}: "
                 + ", ".join(f"{e['step']}: {e['compute_s']:.1f}/{e['step_time_s']:.1f} s" for e in done)
@@ -123,12 +144,14 @@ def one_row(h: int, codec: str, delay: int, args: argparse.Namespace, tmp: Path)
         "h": h,
         "codec": codec,
         "delay": delay,
+        "parts": parts,
         "steps": len(counted),
         "share min": min(shares),
         "share mean": statistics.fmean(shares),
         "steady min": min(steady) if steady else float("nan"),
         "steady mean": statistics.fmean(steady) if steady else float("nan"),
         "s/step": statistics.median(gaps) if gaps else float("nan"),
+        "round s": statistics.median(rounds) if rounds else float("nan"),
         "MB up/step": statistics.fmean(up.values()) / 1e6 / max(1, end),
         "bytes/token": statistics.fmean(per_token),
         "wall": wall,
@@ -136,8 +159,8 @@ def one_row(h: int, codec: str, delay: int, args: argparse.Namespace, tmp: Path)
     }
 
 
-HEADER = ("H", "codec", "delay", "steps", "compute share min / mean", "after the first step", "s/step",
-          "MB up/vol/step", "bytes/token", "wall s")  # fmt: skip
+HEADER = ("H", "codec", "delay", "parts", "steps", "compute share min / mean", "after the first step",
+          "s/step", "round s", "MB up/vol/step", "bytes/token", "wall s")  # fmt: skip
 
 
 def cells(r: dict) -> list[str]:
@@ -145,10 +168,12 @@ def cells(r: dict) -> list[str]:
         str(r["h"]),
         r["codec"],
         str(r["delay"]),
+        r["parts"],
         str(r["steps"]),
         f"{100 * r['share min']:.0f}% / {100 * r['share mean']:.0f}%",
         f"{100 * r['steady min']:.0f}% / {100 * r['steady mean']:.0f}%",
         f"{r['s/step']:.1f}",
+        f"{r['round s']:.2f}",
         f"{r['MB up/step']:.2f}",
         f"{r['bytes/token']:.2f}",
         f"{r['wall']:.0f}",
@@ -162,9 +187,9 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    for h, codec, delay in args.configs:
+    for h, codec, delay, parts in args.configs:
         with tempfile.TemporaryDirectory(prefix="crowdtrain-homelinks-") as tmp:
-            row = one_row(h, codec, delay, args, Path(tmp))
+            row = one_row(h, codec, delay, parts, args, Path(tmp))
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in zip(HEADER, cells(row), strict=True)), flush=True)
         for note in row["notes"][:5]:

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import time
+
+try:  # (not on Windows: there, "acknowledged" cannot be known)
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover
+    fcntl = termios = None  # type: ignore[assignment]
 
 
 async def wait_at_most(event: asyncio.Event, seconds: float) -> bool:
@@ -46,3 +54,31 @@ async def read_body(stream, limit: int, declared: int | None = None) -> bytes:
         if size > limit:
             raise BodyTooLong(size, limit)
     return b"".join(parts)
+
+
+_OUTQ = (
+    getattr(termios, "TIOCOUTQ", None) if termios is not None else None
+)  # (Linux: SIOCOUTQ, a socket's bytes not yet acknowledged)
+
+
+async def acknowledged(
+    transport: asyncio.BaseTransport | None, seconds: float, poll_s: float = 0.005
+) -> bool:
+    """Wait (at most ``seconds``) until everything written to ``transport``'s TCP socket was acknowledged
+    by the other end: what "sent" means on a slow uplink, where the kernel takes megabytes into its send
+    buffer at once. False when that cannot be known here (no socket, not Linux) or did not happen in time."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if _OUTQ is None or sock is None:
+        return False
+    deadline = time.monotonic() + seconds
+    buf = bytearray(4)
+    while True:
+        try:
+            fcntl.ioctl(sock.fileno(), _OUTQ, buf)
+        except OSError:
+            return False
+        if int.from_bytes(buf, sys.byteorder) == 0:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)

@@ -38,7 +38,8 @@ Version = Literal[1]
 # with XXH3-64 checksums and stored bodies (a build without ``peer_protocol`` in its JoinRequest speaks 1).
 # 3: a step's all-reduce runs in phases, so every group ends with the one mean of all (GroupAssignment.phase).
 # 4: one tracker signature per step over a Merkle root of its assignments (GroupAssignment.proof).
-PEER_PROTOCOL = 4
+# 5: parts of unequal sizes, by the owners' upload rates (GroupAssignment.part_weights).
+PEER_PROTOCOL = 5
 CodecName = Literal["none", "fp16", "bf16", "int8", "sparse", "int2"]
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -135,6 +136,10 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     inner_batch_size: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    # how a group's vector is cut into its owners' parts: "upload", each owner's part in proportion to the
+    # upload rate it measured in its last rounds (DeDLOC's bandwidth-proportional partitions: a slow uplink
+    # owns less and is not the round's bottleneck); "equal", parts of one size
+    part_sizes: Literal["upload", "equal"] = "upload"
 
     @property
     def local(self) -> bool:
@@ -332,6 +337,9 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     # share of its wall time (since its first micro-batch) spent computing gradients that entered an average
     compute_share: Annotated[float, Meta(ge=0, le=1000)] | None = None
     eval: EvalReport | None = None  # its evaluation of the held-out split, once per evaluated step
+    # bytes per second its all-reduce rounds went out at lately (None: no round yet): the tracker sizes the
+    # parts it owns by it (AveragingSpec.part_sizes)
+    upload_bps: Annotated[float, Meta(ge=0, le=1e12)] | None = None
 
 
 class HeartbeatReply(Message, frozen=True, kw_only=True):
@@ -418,6 +426,8 @@ class GroupAssignment(Message, frozen=True, kw_only=True):
     # this assignment's path to that root: per level, ``l`` or ``r`` (which side its sibling is on) and the
     # sibling's SHA-256 in hex; 32 levels hold 4 billion assignments
     proof: Annotated[list[Annotated[str, Meta(pattern=MERKLE_STEP, max_length=65)]], Meta(max_length=32)] = []
+    # part i's share of the vector is part_weights[i] / their sum (one per part); empty: parts of equal size
+    part_weights: Annotated[list[Annotated[int, Meta(ge=1, le=1 << 20)]], Meta(max_length=256)] = []
 
 
 class ReadyReply(Message, frozen=True, kw_only=True):

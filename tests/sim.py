@@ -155,7 +155,13 @@ class SimVolunteer:
         return self.joined
 
     async def heartbeat(
-        self, step: int, samples: int, samples_per_s: float = 1e6, *, computing: bool = True
+        self,
+        step: int,
+        samples: int,
+        samples_per_s: float = 1e6,
+        *,
+        computing: bool = True,
+        upload_bps: float | None = None,
     ) -> HeartbeatReply:
         assert self.joined is not None, "join first"
         hb = Heartbeat(
@@ -165,6 +171,7 @@ class SimVolunteer:
             samples_per_s=samples_per_s,
             address=self.address,
             computing=computing,
+            upload_bps=upload_bps,
         )
         return await self.client.heartbeat(self.run_id, hb, self.key, self.joined.credential)
 

@@ -85,6 +85,7 @@ def assign(
     *,
     deadline_s: float = 30.0,
     round_id: str | None = None,
+    part_weights: list[int] | None = None,
 ) -> GroupAssignment:
     """A tracker-signed assignment; ``parts[i]`` is peer i's part (-1: client mode); default one each."""
     parts = list(range(len(peers))) if parts is None else parts
@@ -108,6 +109,7 @@ def assign(
         deadline=time.time() + deadline_s,
         seed=0,
         signature="",
+        part_weights=part_weights or [],
     )
     return sign_assignment(TRACKER, unsigned)
 
@@ -189,6 +191,63 @@ def test_part_bounds_are_contiguous_and_even():
         assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
         sizes = [b - a for a, b in bounds]
         assert max(sizes) - min(sizes) <= 1
+
+
+def test_part_bounds_follow_part_weights_and_every_member_cuts_the_same():
+    assert part_bounds(800, 3, [1, 3, 4]) == [(0, 100), (100, 400), (400, 800)]
+    for n, weights in [(10, [5, 1]), (1_000_003, [65000, 700, 1, 12]), (3, [1, 1, 1, 1])]:
+        bounds = part_bounds(n, len(weights), weights)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] and a[0] <= a[1] for a, b in itertools.pairwise(bounds))
+        for (a, b), w in zip(bounds, weights, strict=True):
+            assert abs((b - a) - n * w / sum(weights)) <= 1
+    with pytest.raises(ValueError):
+        part_bounds(10, 3, [1, 2])
+    with pytest.raises(ValueError):
+        part_bounds(10, 2, [1, 0])
+
+
+async def test_parts_of_unequal_sizes_give_the_exact_mean_and_each_peer_measures_its_upload():
+    """The tracker's part weights (here 6:1:1) cut the vector for every member alike: the mean is exact, the
+    big part's owner answers 6× what the others do, and each owner measures the rate its answers went out at."""
+    config = AveragingConfig(codec=Codec.NONE, clip_multiple=0, subframe_elements=1 << 14)
+    peers = await start_peers(3, config)
+    try:
+        rng = np.random.default_rng(3)
+        n = 240_000
+        vectors = [rng.standard_normal(n).astype(np.float32) for _ in peers]
+        weights = [2, 3, 5]
+        a = assign(peers, weights, part_weights=[6, 1, 1])
+        results = await run_round(peers, a, vectors, weights)
+        for r in results:
+            np.testing.assert_allclose(r.values, weighted_mean(vectors, weights), rtol=1e-6, atol=1e-6)
+        sizes = [b - s for s, b in part_bounds(n, 3, [6, 1, 1])]
+        assert sizes == [180_000, 30_000, 30_000]
+        # each member sends its copies of the two other parts and answers its own part to the two others
+        for i, r in enumerate(results):
+            assert r.raw_bytes == 4 * (n - sizes[i]) + 2 * 4 * sizes[i]
+        # (taken once the answers are acknowledged, which may be just after the round returned)
+        for _ in range(500):
+            if all(p.averager.upload_bps for p in peers):
+                break
+            await asyncio.sleep(0.01)
+        assert all(p.averager.upload_bps is not None and p.averager.upload_bps > 0 for p in peers)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_an_assignment_whose_part_weights_do_not_match_its_parts_is_refused():
+    config = AveragingConfig(codec=Codec.NONE)
+    peers = await start_peers(2, config)
+    try:
+        a = assign(peers, [1, 1], part_weights=[1, 2, 3])
+        v = np.ones(100, np.float32)
+        with pytest.raises(AveragingError, match="weighs 3 parts, not 2"):
+            await peers[0].averager.allreduce(a, v, 1.0)
+    finally:
+        for p in peers:
+            await p.stop()
 
 
 async def test_client_mode_member_sends_and_receives_the_mean_and_the_event_says_so():

@@ -87,6 +87,32 @@ async def test_step_closes_at_the_target_and_ready_peers_get_signed_groups(track
     assert "crowdtrain_tracker_peers_online 3.0" in metrics
 
 
+@pytest.mark.parametrize("part_sizes", ["upload", "equal"])
+async def test_parts_follow_the_owners_measured_upload_rates_within_the_spread(tracker, client, part_sizes):
+    """One fast uplink and two slow ones (and one not measured yet, counted at the median): with "upload" the
+    fast owner's part is 8× a slow one's (a claim 100× the median counts as 8×: PART_RATE_SPREAD);
+    "equal" keeps one size. The weights are in the signed assignment every member cuts by."""
+    run_id = await new_run(client, target=40, group_size=4, part_sizes=part_sizes)
+    peers = await joined(client, run_id, 4)
+    rates = [2.5e8, 2.5e6, 2.5e6, None]  # bytes/s: 2 Gbit/s, 20 Mbit/s, 20 Mbit/s, unknown
+    for v, rate in zip(peers, rates, strict=True):
+        await v.heartbeat(0, 10, upload_bps=rate)
+    replies = await asyncio.gather(*(v.ready(0, 10) for v in peers))
+    a = replies[0].assignment
+    verify_assignment(a, tracker.public_key)
+    by_part = {m.part: m.peer_id for m in a.members}
+    rate_of = {v.peer_id: r for v, r in zip(peers, rates, strict=True)}
+    if part_sizes == "equal":
+        assert a.part_weights == []
+        return
+    weight_of = {by_part[i]: w for i, w in enumerate(a.part_weights)}
+    fast, slow = peers[0].peer_id, peers[1].peer_id
+    assert weight_of[fast] == pytest.approx(8 * weight_of[slow], rel=1e-3)
+    unknown = next(p for p, r in rate_of.items() if r is None)
+    assert weight_of[unknown] == weight_of[slow]  # the median of the known rates
+    assert sum(a.part_weights) == pytest.approx(1 << 16, abs=4)
+
+
 async def test_ready_before_the_close_waits_then_gets_its_group(client):
     run_id = await new_run(client, target=20, gather_s=5.0)
     a, b = await joined(client, run_id, 2)

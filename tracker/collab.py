@@ -114,6 +114,7 @@ class Peer:
     loss: float | None = None
     compute_share: float | None = None  # as its last heartbeat said
     backbone: bool = False  # as its last heartbeat said: it computes no gradients
+    upload_bps: float | None = None  # as its last heartbeat said: what its rounds went out at lately
     last_seen: float = 0.0  # monotonic
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
@@ -273,7 +274,7 @@ class RunState:
         )
         computed = None if hb.compute_share is None else min(1.0, hb.compute_share)  # (a share: at most 1)
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, computed
-        peer.backbone = hb.backbone
+        peer.backbone, peer.upload_bps = hb.backbone, hb.upload_bps
         peer.last_seen = now
         self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from crowdtrain.tracker.collab import Peer
 
 KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
+# Parts by upload rate (AveragingSpec.part_sizes = "upload"): an owner's rate counts within
+# [median ÷ PART_RATE_SPREAD, median × PART_RATE_SPREAD] of its group's owners (so one claim cannot take a
+# whole vector, nor shrink a part to nothing), an owner with no rate yet at that median; part weights sum
+# to about PART_WEIGHT_SCALE.
+PART_RATE_SPREAD = 8.0
+PART_WEIGHT_SCALE = 1 << 16
 
 
 class Rounds:
@@ -60,6 +66,7 @@ def sign_round(
     every = 0 if averaging.local else averaging.average_state_every
     average_params = every > 0 and (step + 1) % every == 0
     step_samples = sum(c.weight for c in candidates)
+    by_upload = averaging.part_sizes == "upload"
     unsigned: list[GroupAssignment] = []
     for phase, groups in enumerate(phases):
         deadline = now + averaging.round_timeout_s * (phase + 1)  # phase by phase, each its own timeout
@@ -71,6 +78,9 @@ def sign_round(
                     step=step,
                     members=_members(group, peers),
                     parts=len(group.owners),
+                    part_weights=part_weights(
+                        [peers[o].upload_bps for o in group.owners] if by_upload else []
+                    ),
                     average_params=average_params,
                     deadline=deadline,
                     seed=seed,
@@ -85,6 +95,24 @@ def sign_round(
         for member in signed.members:
             assignments[member.peer_id].append(signed)
     return assignments
+
+
+def part_weights(rates: list[float | None]) -> list[int]:
+    """Owners' part weights in proportion to their upload rates (bytes/s; None: not measured yet), each rate
+    within PART_RATE_SPREAD of the owners' median; [] (equal parts) when no rate is known or all are equal.
+
+    Why by upload rate: an owner sends its reduced part back to every other member, so its upload grows with
+    its part while a member's copies of the other parts do not shrink; a slow uplink owning an equal part is
+    the round's bottleneck (DeDLOC's bandwidth-proportional partitions)."""
+    known = sorted(r for r in rates if r)
+    if len(rates) < 2 or not known:  # (no rates given: the run's parts are equal)
+        return []
+    median = known[len(known) // 2]
+    low, high = median / PART_RATE_SPREAD, median * PART_RATE_SPREAD
+    clamped = [min(max(r if r else median, low), high) for r in rates]
+    total = sum(clamped)
+    weights = [max(1, round(PART_WEIGHT_SCALE * r / total)) for r in clamped]
+    return [] if len(set(weights)) == 1 else weights
 
 
 def _members(group: Group, peers: Mapping[str, Peer]) -> list[GroupMember]:

@@ -341,6 +341,7 @@ class Training:
             bt_port=self.data.bt_port(),
             compute_share=self.meter.compute_share(),
             eval=self.data.heldout.report,
+            upload_bps=run.averager.upload_bps,
         )
 
     def _on_reply(self, reply: HeartbeatReply) -> None:
@@ -411,12 +412,10 @@ class Training:
         if rnd is None:
             return
         if rnd.mean is None:
-            run.note(
-                logging.WARNING,
-                "averaging round of step %d failed (%s); this peer will fetch the state",
-                rnd.step,
-                rnd.error,
+            failed = (
+                f"averaging round of step {rnd.step} failed ({rnd.error}); this peer will fetch the state"
             )
+            run.note(logging.WARNING, failed)
             self.catchup.round_failed()
             return
         if self.catchup.active:

@@ -204,7 +204,7 @@ class Rounds:
             phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
             if result.failed_parts:
-                bounds = part_bounds(result.values.size, a.parts)
+                bounds = part_bounds(result.values.size, a.parts, a.part_weights)
                 for part in result.failed_parts:
                     result.values[bounds[part][0] : bounds[part][1]] = 0.0
                 failed.append(f"phase {a.phase + 1} of {a.phases}, parts {list(result.failed_parts)}")

@@ -1,7 +1,8 @@
 """Group all-reduce as a butterfly over HTTP: one round trip per pair of members.
 
 The flat vector is cut into one contiguous part per member that owns a part (``part >= 0``, in part
-order, as even as possible). Member *i* ``POST``s its copy of part *j* to the owner of *j* at
+order): in proportion to the assignment's ``part_weights`` (the tracker's, by the owners' upload rates), or
+as even as possible without them. Member *i* ``POST``s its copy of part *j* to the owner of *j* at
 ``/v1/allreduce/{round_id}/{tag}/{j}``; the owner waits for every member's copy (or the assignment's
 deadline), takes the weighted mean in fp32 and answers every waiting request with the reduced part.
 The owner's own copy never leaves the process. Client-mode members own nothing and only send.
@@ -104,6 +105,11 @@ class Averager:
 
     # ------------------------------------------------------------------ public
 
+    @property
+    def upload_bps(self) -> float | None:
+        """The rate its answers went out at lately, bytes per second (None: not measured yet)."""
+        return self.owner.upload_bps
+
     def routes(self) -> list[web.RouteDef]:
         return [web.post(ROUTE, self.owner.handle)]
 
@@ -163,7 +169,7 @@ class Averager:
         key = f"{a.round_id}/{tag}"
         me = self._check_group(a, tag, key)
         self._check_values(a, key, me, vector, weight, out)
-        bounds = part_bounds(vector.size, a.parts)
+        bounds = part_bounds(vector.size, a.parts, a.part_weights)
         self.sender.prepare(tag, vector.size)
         members = {m.peer_id: m for m in a.members}
         uniform = all(m.weight == 0 for m in a.members)
@@ -211,6 +217,10 @@ class Averager:
             raise AveragingError(
                 f"group assignment for round {key} gives a part to a member without an address"
             )
+        if a.part_weights and len(a.part_weights) != a.parts:
+            raise AveragingError(
+                f"group assignment for round {key} weighs {len(a.part_weights)} parts, not {a.parts}"
+            )
         return me
 
     def _check_values(
@@ -256,6 +266,7 @@ class Averager:
             "encode": rnd.stats.encode_s,
             "decode": rnd.stats.decode_s,
             "reduce": outcome.reduce_s if outcome else 0.0,
+            "upload": rnd.stats.upload_s,  # its answers, first byte out to last acknowledged (so far)
             "total": duration,
         }
         result = RoundResult(

@@ -25,7 +25,7 @@ import numpy as np
 from aiohttp import web
 
 from crowdtrain.protocol import peerauth
-from crowdtrain.protocol.aio import wait_at_most
+from crowdtrain.protocol.aio import acknowledged, wait_at_most
 from crowdtrain.protocol.codecs import Residual
 from crowdtrain.protocol.errors import AuthError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
@@ -47,6 +47,12 @@ from crowdtrain.volunteer.averaging.wire import (
 log = logging.getLogger(__name__)
 
 ROUTE = "/v1/allreduce/{round_id}/{tag}/{part}"
+# The upload rate a peer reports is taken from its answers (the bytes an owner sends grow with its part):
+# from the first byte handed to the network to the last one acknowledged (the kernel takes megabytes into
+# a send buffer at once), in rounds that answered at least UPLOAD_MIN_BYTES; UPLOAD_EMA of each new
+# measure plus the rest of the one before.
+UPLOAD_MIN_BYTES = 64 * 1024
+UPLOAD_EMA = 0.5
 
 
 class _Refused(Exception):
@@ -78,6 +84,7 @@ class Owner:
         self.tracker_public_key = tracker_public_key
         self.peer_id = peer_id
         self.config = config
+        self.upload_bps: float | None = None  # see UPLOAD_MIN_BYTES
         self._coder = coder
         self.rounds: dict[str, Round] = {}
         self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -338,13 +345,33 @@ class Owner:
                     if sent >= len(outcome.frames):
                         break
                     header, body = outcome.frames[sent]
+                    rnd.stats.mark()
                     await response.write(header)
                     await response.write(body)
+                    rnd.stats.answered_bytes += len(header) + len(body)
                     sent += 1
         except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
             log.warning("round %s: the answer for part %d did not finish in time", key, part)
         await response.write_eof()
+        if sent == len(outcome.frames):
+            await self._measure_upload(rnd, request.transport, len(outcome.accepted) - 1)
         return response
+
+    async def _measure_upload(
+        self, rnd: Round, transport: asyncio.BaseTransport | None, answers: int
+    ) -> None:
+        """Once every answer of the round is acknowledged by its sender, take the rate they went out at:
+        the upload rate this peer reports (the tracker sizes the parts it owns by it)."""
+        remaining = rnd.deadline + self.config.grace_s - time.time()
+        if not await acknowledged(transport, remaining):
+            return
+        stats = rnd.stats
+        stats.mark()
+        stats.answers_acked += 1
+        if stats.answers_acked == answers and stats.answered_bytes >= UPLOAD_MIN_BYTES and stats.upload_s > 0:
+            measured = stats.answered_bytes / stats.upload_s
+            last = self.upload_bps
+            self.upload_bps = measured if last is None else UPLOAD_EMA * measured + (1 - UPLOAD_EMA) * last
 
     async def _read_contribution(
         self, request: web.Request, rnd: Round, member: GroupMember, declared: float, elements: int

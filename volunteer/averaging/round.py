@@ -8,7 +8,10 @@ which sends this peer's copies of the other parts); both add their bytes and sec
 
 from __future__ import annotations
 
+import math
 import re
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +55,21 @@ class Stats:
     raw_bytes: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
+    # this peer's answers (owner side): perf_counter seconds of the first byte handed out and of the last
+    # byte acknowledged, the bytes, and how many answers were acknowledged: its upload rate is measured on them
+    answering: list[float] = field(default_factory=lambda: [math.inf, -math.inf])
+    answered_bytes: int = 0
+    answers_acked: int = 0
+
+    def mark(self) -> None:
+        """Answer bytes were handed out, or acknowledged, now."""
+        t = time.perf_counter()
+        self.answering[0], self.answering[1] = min(self.answering[0], t), max(self.answering[1], t)
+
+    @property
+    def upload_s(self) -> float:
+        """Seconds from this peer's first answer byte handed out to its last acknowledged (0: none)."""
+        return max(0.0, self.answering[1] - self.answering[0])
 
 
 @dataclass(slots=True)
@@ -71,8 +89,20 @@ class Round:
     stats: Stats = field(default_factory=Stats)
 
 
-def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous slices of ``n`` values, one per part, sizes differing by at most one."""
+def part_bounds(n: int, parts: int, weights: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Contiguous slices of ``n`` values, one per part: part i holds ``weights[i] / sum(weights)`` of them
+    (rounded at the cumulative sums, so every member cuts the same bounds), or, with no weights, sizes that
+    differ by at most one."""
+    if weights:
+        if len(weights) != parts or min(weights) < 1:
+            raise ValueError(f"{len(weights)} part weights for {parts} parts, each at least 1")
+        total, cum, bounds, start = sum(weights), 0, [], 0
+        for w in weights:
+            cum += w
+            stop = n * cum // total
+            bounds.append((start, stop))
+            start = stop
+        return bounds
     base, extra = divmod(n, parts)
     bounds, start = [], 0
     for k in range(parts):
