@@ -84,7 +84,8 @@ def make_run_create(
 class PingServer:
     """A peer server that only answers ``GET /v1/ping`` with its peer id (set after join)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.peer_id = ""
         self.address = ""
         self._runner: web.AppRunner | None = None
@@ -97,8 +98,8 @@ class PingServer:
         app.router.add_get("/v1/ping", self._ping)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.address = f"127.0.0.1:{self._runner.addresses[0][1]}"
+        await web.TCPSite(self._runner, self.host, 0).start()
+        self.address = f"{self.host}:{self._runner.addresses[0][1]}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -77,6 +77,7 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.tracker.donors import Donors, Offer, StateRefused
 from crowdtrain.tracker.ledger import Ledger, Share
 from crowdtrain.tracker.matchmaking import Candidate, plan
+from crowdtrain.tracker.origins import Origin
 from crowdtrain.tracker.reach import Reach
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.store import RunStore
@@ -211,20 +212,20 @@ class RunState:
         """Whether the run has ``limit`` peers (or more): it takes no more."""
         return len(self.peers) >= limit
 
-    def join(self, peer_id: str, public_key: str) -> Peer:
+    def join(self, peer_id: str, public_key: str, origin: Origin | None = None) -> Peer:
         now = time.monotonic()
-        peer = Peer(
-            peer_id=peer_id, public_key=public_key, share=self.ledger.add(peer_id, now), last_seen=now
-        )
+        share = self.ledger.add(peer_id, now, origin)
+        peer = Peer(peer_id=peer_id, public_key=public_key, share=share, last_seen=now)
         self.peers[peer_id] = peer
         return peer
 
-    def member(self, peer_id: str, public_key: str, limit: int) -> Peer | None:
+    def member(self, peer_id: str, public_key: str, limit: int, origin: Origin | None = None) -> Peer | None:
         """The peer a signed request comes from; one the tracker does not know (after a restart or an
-        expiry) is registered again by its credential. None when it is not known and the run is full."""
+        expiry) is registered again by its credential, counted at ``origin``. None when it is not known and
+        the run is full."""
         peer = self.peers.get(peer_id)
         if peer is None and not self.full(limit):
-            peer = self.join(peer_id, public_key)
+            peer = self.join(peer_id, public_key, origin)
             log.info("peer %s re-registered in run %s by its heartbeat", peer_id, self.run_id)
         return peer
 

@@ -44,6 +44,9 @@ class TrackerConfig:
     max_body_bytes: int = 4 * MiB  # largest request body (a run's spec with its torrent)
     max_numwant: int = 200  # peers in one announce answer at most
     max_peers_per_run: int = 100_000
+    # live identities of one run from one address (an IPv4 address, an IPv6 /64); from one network (an IPv4
+    # /24, an IPv6 /48) 8 times as many; this machine's own (127.0.0.1, ::1) are not counted (tracker/origins.py)
+    max_peers_per_address: int = 8
     max_swarm_peers: int = 100_000  # BitTorrent peers per info-hash
     join_rate_per_s: float = 20.0  # joins per second per client IP (token bucket); 0 = unlimited
     join_burst: int = 200
@@ -85,6 +88,7 @@ class TrackerConfig:
             "max_body_bytes",
             "max_numwant",
             "max_peers_per_run",
+            "max_peers_per_address",
             "max_swarm_peers",
             "join_burst",
             "announce_burst",

@@ -15,7 +15,12 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   the step is always credited (an honest peer stops there). A claim for a step before the peer's is not
   credited at all: it was sent before the peer heard that a round moved it on.
 * **Share cap.** While another peer computes for the step or holds samples of it, one peer is credited at
-  most ``max_peer_share`` of the target: no peer closes a step alone or outweighs the rest of it.
+  most ``max_peer_share`` of the target: no peer closes a step alone or outweighs the rest of it. The
+  identities of one address (:mod:`crowdtrain.tracker.origins`) share one cap while a peer from elsewhere
+  takes part: a second identity buys no second cap.
+* **Probation.** A peer that took part in fewer than PROBATION_STEPS rounds counts at no more than the median
+  rate of the peers that did (its claim is believed only once there are none): a new identity claiming a huge
+  rate from its first heartbeat is allotted and credited like a median peer until it has taken part.
 * **Allotment.** What is left of the target (the samples no peer holds yet) is shared out by rate: a peer's
   fair share is what it holds plus ``left × its rate ÷ the rate of every peer that computes`` (an unknown
   rate counts as the mean), within what the others do not hold or were not allotted, never less than it
@@ -43,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from crowdtrain.protocol.messages import RunSpec
+from crowdtrain.tracker.origins import Origin, Origins
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -58,6 +64,9 @@ RATE_DUST = 1e-6
 # LATE_GRACE_S.
 LATE_FACTOR = 1.5
 LATE_GRACE_S = 0.5
+# A peer is on probation (its rate counts at most the established peers' median) until it took part in
+# this many rounds.
+PROBATION_STEPS = 3
 
 
 def _settled(rate_sum: float) -> float:
@@ -80,6 +89,8 @@ class Share:
     step_since: float = 0.0  # when its current step began for it, as far as the tracker knows
     step_base: int = 0  # the samples it held for the step then (computed ahead, with delay 1)
     done_at: float = -1.0  # when it reached its allotment of ``step`` (monotonic); -1: it owes samples
+    peer_id: str = ""
+    rounds: int = 0  # rounds it took part in (PROBATION_STEPS)
 
 
 @dataclass(slots=True)
@@ -159,6 +170,8 @@ class Ledger:
         # what ready calls of this step said was computed ahead for the next one (credited), and when
         self._ahead: dict[str, tuple[int, float]] = {}
         self._revoked: set[str] = set()  # revoked at the open step and silent since
+        self.origins = Origins()  # where each peer's requests come from (identities per address)
+        self._median_rate: float | None = None  # of the peers past probation, taken as each round forms
 
     @classmethod
     def of(cls, spec: RunSpec, step: int) -> Ledger:
@@ -178,17 +191,20 @@ class Ledger:
 
     # ------------------------------------------------------------ membership
 
-    def add(self, peer_id: str, now: float) -> Share:
-        """A new share for ``peer_id`` (one it had before is dropped): at no step yet, computing."""
+    def add(self, peer_id: str, now: float, origin: Origin | None = None) -> Share:
+        """A new share for ``peer_id`` (one it had before is dropped), counted at ``origin`` (None: this
+        machine's own): at no step yet, computing."""
         self.remove(peer_id, forget_ahead=False)
-        share = self._shares[peer_id] = Share(counted_at=now)
+        share = self._shares[peer_id] = Share(counted_at=now, peer_id=peer_id)
         self.tally.count(share, share.step == self.step, 1)
+        self.origins.add(peer_id, origin)
         return share
 
     def remove(self, peer_id: str, *, forget_ahead: bool = True) -> None:
         share = self._shares.pop(peer_id, None)
         if share is not None:
             self.tally.count(share, share.step == self.step, -1)
+        self.origins.remove(peer_id)
         if forget_ahead:
             self._ahead.pop(peer_id, None)
 
@@ -271,6 +287,7 @@ class Ledger:
             # answered after) says nothing of the step it is at: crediting it would move the peer back, free
             # its allotment for the others while it computes toward it, and overshoot the target; "not
             # computing" would close its new step early.
+            samples_per_s = self._believed(share, samples_per_s)
             if step >= share.step:
                 share.samples_per_s = max(share.samples_per_s, samples_per_s)  # the growth allowed since then
                 self._credit(peer_id, share, step, samples, now)
@@ -339,6 +356,26 @@ class Ledger:
             return self.target
         return max(1, math.ceil(self.max_peer_share * self.target))
 
+    def _room(self, share: Share) -> int:
+        """The most ``share`` (out of the tally) may hold of the open step: the whole target while no peer
+        from another address takes part in the step; else the share cap, less what the other identities
+        of its address hold or were allotted of the step."""
+        siblings = [
+            s for p in self.origins.siblings(share.peer_id) if (s := self._shares[p]).step == self.step
+        ]
+        present = sum(1 for s in siblings if s.computing or s.samples > 0)
+        if self.tally.present - present <= 0:
+            return self.target
+        return max(0, self.share_cap(others=True) - sum(max(s.allotted, s.samples) for s in siblings))
+
+    def _believed(self, share: Share, claimed: float) -> float:
+        """The rate a peer counts at: what it claims, at most the median of the peers past probation while
+        it is on probation (PROBATION_STEPS)."""
+        median = self._median_rate
+        if share.rounds >= PROBATION_STEPS or median is None:
+            return claimed
+        return min(claimed, median)
+
     # ------------------------------------------------------------ the rules
 
     def _credit(self, peer_id: str, share: Share, step: int, claimed: int, now: float) -> None:
@@ -349,7 +386,7 @@ class Ledger:
         else:  # a step new to it: begun at the latest when it last reported
             held, base, since = 0, 0, share.counted_at
         plausible = max(held, base + self._growth(share, now - since))
-        cap = self.share_cap(others=step == self.step and self.tally.present > 0)
+        cap = self._room(share) if step == self.step else self.target
         # what the ledger allotted it for this step stands (e.g. all of it while it was alone), so a
         # peer that kept to its allotment is never cut back when others arrive
         granted = share.allotted if share.step == step else 0
@@ -398,7 +435,7 @@ class Ledger:
         if share.samples >= share.allotted:  # at its allotment: a share of what is still free
             more = max(more, math.ceil(free * part))
         allotted = share.samples + min(free, max(more, share.allotted - share.samples, 0))
-        return max(share.samples, min(allotted, self.share_cap(others=t.present > 0)))
+        return max(share.samples, min(allotted, self._room(share)))
 
     def _ahead_share(self, share: Share) -> int | None:
         """How many samples a peer may compute ahead for the next step (its share is in the tally); None
@@ -442,6 +479,13 @@ class Ledger:
         for _, share in shares:
             share.done_at = -1.0
             self._mark_done(share, now)
+            share.rounds += 1
+        rates = sorted(
+            s.samples_per_s
+            for s in self._shares.values()
+            if s.rounds >= PROBATION_STEPS and s.samples_per_s > 0
+        )
+        self._median_rate = rates[len(rates) // 2] if rates else None
 
     def _allot_ahead(self, computing_ahead: list[tuple[Share, float]], now: float) -> None:
         """A peer that computes ahead is allotted what it may have computed since its ready call (said at
@@ -464,4 +508,4 @@ class Ledger:
                 break
             with self._changing(share):
                 held = max(share.allotted, share.samples)
-                share.allotted = max(held, min(held + free, self.share_cap(others=self.tally.present > 0)))
+                share.allotted = max(held, min(held + free, self._room(share)))

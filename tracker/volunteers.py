@@ -26,6 +26,7 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.tracker.collab import Peer, RunState
 from crowdtrain.tracker.donors import StateRefused
+from crowdtrain.tracker.origins import Origin, origin_of
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
@@ -49,6 +50,14 @@ class Volunteers:
     def _full(self, run: RunState) -> ApiError:
         limit = self.config.max_peers_per_run
         return ApiError(503, f"run {run.run_id} has {limit} peers, its limit; try again later")
+
+    def _origin(self, run: RunState, request: web.Request) -> Origin | None:
+        """Where a new identity of ``run`` comes from, if one more may come from there (429 if not)."""
+        origin = origin_of(request.remote)
+        refusal = run.ledger.origins.admits(origin, self.config.max_peers_per_address)
+        if refusal is not None:
+            raise ApiError(429, refusal)
+        return origin
 
     def _address(self, declared: str | None, request: web.Request) -> str | None:
         if declared is None:
@@ -116,13 +125,14 @@ class Volunteers:
         self._check_join(record, msg)
         if run.full(self.config.max_peers_per_run):
             raise self._full(run)
+        origin = self._origin(run, request)
         address = self._address(msg.address, request)
         peer_id = secrets.token_hex(8)
         credential = issue_credential(
             self.tracker.signer, run.run_id, peer_id, msg.public_key, self.config.credential_ttl_s
         )
         self.tracker.auth.remember(credential)
-        peer = run.join(peer_id, msg.public_key)
+        peer = run.join(peer_id, msg.public_key, origin)
         self.tracker.checker.update(peer, address, None, request.remote or "", run.spec.dataset.infohash)
         return json_reply(
             JoinResponse(
@@ -140,7 +150,8 @@ class Volunteers:
         run, hb, public_key = await self._signed(request, Heartbeat)
         address = self._address(hb.address, request)
         # after a tracker restart or an expiry: the signed credential registers it again
-        peer = run.member(hb.peer_id, public_key, self.config.max_peers_per_run)
+        origin = self._origin(run, request) if run.peer(hb.peer_id) is None else None
+        peer = run.member(hb.peer_id, public_key, self.config.max_peers_per_run, origin)
         if peer is None:
             raise self._full(run)
         if hb.eval is not None:  # (before anything of the heartbeat is taken)

@@ -43,12 +43,9 @@ def serve_command(
         30.0, "--peer-ttl", help="Seconds of silence after which a volunteer is dropped."
     ),
     heartbeat_interval: float = typer.Option(2.0, "--heartbeat-interval", help="Seconds between heartbeats."),
-    announce_interval: int = typer.Option(
-        30, "--announce-interval", help="BitTorrent announce interval (s)."
-    ),
-    min_announce_interval: int = typer.Option(
-        5, "--min-announce-interval", help="BitTorrent min interval (s)."
-    ),
+    announce_interval: int = typer.Option(30, "--announce-interval", help="BitTorrent interval (s)."),
+    min_announce_interval: int = typer.Option(5, "--min-announce-interval", help="BitTorrent min interval."),
+    max_per_address: int = typer.Option(8, "--max-per-address", help="Volunteers of a run per IP (/64)."),
     join_rate: float = typer.Option(
         20.0, "--join-rate", help="Joins per second per client address; 0 = no limit."
     ),
@@ -74,6 +71,7 @@ def serve_command(
         announce_interval_s=announce_interval,
         min_announce_interval_s=min_announce_interval,
         join_rate_per_s=join_rate,
+        max_peers_per_address=max_per_address,
         announce_rate_per_s=announce_rate,
         allow_other_hosts=allow_other_hosts,
     )
