@@ -113,7 +113,9 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     round_timeout_s: float = 15.0  # deadline of one all-reduce round, from its assignment
     gather_s: float = 1.0  # how long the tracker waits for the peers of a closed step to say "ready"
     step_timeout_s: float = 60.0  # a step closes this long after it opened even below the target
-    clip_multiple: float = 5.0  # contributions with norm > this × the group's median norm are clipped
+    # copies with a norm above this × the lower median of the group's norms (never above the part owner's own
+    # copy's norm) are scaled down to it
+    clip_multiple: float = 5.0
     average_state_every: int = 10  # parameter averaging every this many global steps; 0 = never
     # accepted for older run specs and ignored: a peer that missed a step always drops its
     # accumulation and fetches the state (no gradient outlives its parameters)

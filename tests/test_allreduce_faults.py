@@ -209,7 +209,8 @@ async def test_outsiders_are_refused_and_change_nothing(trio, case):
     np.testing.assert_allclose(result.values, weighted_mean([va, vh], [3, 2]), rtol=1e-6, atol=1e-6)
 
 
-async def test_huge_gradient_is_clipped_to_the_median_bound_and_reported():
+async def test_huge_gradient_is_clipped_to_the_bound_and_reported():
+    """The bound: clip_multiple × the lower median of the copies' norms, never above the owner's own."""
     config = AveragingConfig(clip_multiple=5.0)
     peers = await start_peers(4, config)
     try:
@@ -220,9 +221,9 @@ async def test_huge_gradient_is_clipped_to_the_median_bound_and_reported():
         results = await run_round(peers, assign(peers, weights), vectors, weights)
         bounds = part_bounds(10_000, 4)
         expected = np.empty(10_000)
-        for a, b in bounds:
+        for owner, (a, b) in enumerate(bounds):  # (peer i owns part i)
             norms = sorted(float(np.linalg.norm(v[a:b])) for v in vectors)
-            bound = 5.0 * norms[1]  # the lower median of four
+            bound = 5.0 * min(norms[1], float(np.linalg.norm(vectors[owner][a:b])))  # lower median of four
             scaled = [v[a:b] * min(1.0, bound / np.linalg.norm(v[a:b])) for v in vectors]
             expected[a:b] = weighted_mean(scaled, weights)
         for r in results:
@@ -232,6 +233,38 @@ async def test_huge_gradient_is_clipped_to_the_median_bound_and_reported():
             assert np.abs(r.values).max() < 50  # the 1e6 spike did not get through
         done = [e for e in peers[0].events if isinstance(e, RoundDone)]
         assert done[-1].clipped == ("p2",)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+@pytest.mark.parametrize("honest, colluders", [(1, 2), (2, 3)])
+async def test_colluding_members_cannot_move_the_owners_mean_more_than_the_documented_bound(
+    honest, colluders
+):
+    """k colluders in a group of n (here 2 of 3 and 3 of 5: a majority) send the same huge direction. With
+    the group's median as the clip reference they set their own bound; now each copy in the mean is at most
+    clip_multiple × the owner's own norm, so their terms move the owner's part by at most
+    (Σ their weights ÷ Σ weights) × clip_multiple × ‖owner's copy‖ (docs/security.md)."""
+    n = honest + colluders
+    config = AveragingConfig(codec=Codec.NONE, clip_multiple=5.0)
+    peers = await start_peers(n, config, prefix="c")
+    try:
+        rng = np.random.default_rng(11)
+        vectors = [rng.standard_normal(4096).astype(np.float32) for _ in range(n)]
+        direction = rng.standard_normal(4096).astype(np.float32)
+        for i in range(honest, n):
+            vectors[i] = (1e4 * direction).astype(np.float32)
+        weights = [1] * n
+        parts = [0] + [-1] * (n - 1)  # the honest peer c0 owns the one part; the others only send
+        results = await run_round(peers, assign(peers, weights, parts), vectors, weights)
+        honest_terms = sum(vectors[i].astype(np.float64) for i in range(honest)) / n
+        moved = float(np.linalg.norm(results[0].values - honest_terms))
+        bound = colluders / n * 5.0 * float(np.linalg.norm(vectors[0]))
+        assert 0.5 * bound < moved <= bound * (1 + 1e-5)  # (they are clipped to it, not dropped)
+        assert sorted(results[0].clipped) == [f"c{i}" for i in range(honest, n)]
+        for r in results:
+            np.testing.assert_array_equal(r.values, results[0].values)
     finally:
         for p in peers:
             await p.stop()

@@ -8,7 +8,7 @@ The hostile volunteer is an ordinary :class:`Volunteer` with seams set once it h
 step  what it sends                               what the honest part owners do
 ====  ==========================================  =====================================================
 0     NaN in every part                           reject (422), listed in ``RoundDone.rejected``
-1     its gradient × 1e6                          clip to 5 × the median norm, ``RoundDone.clipped``
+1     its gradient × 1e6                          clip to 5 × the median norm (≤ the owner's), ``.clipped``
 2     a weight 50 × above the one it reported     reject (422), ``RoundDone.rejected``
 3     a vector one value short (wrong lengths)    reject (422) the parts whose length differs
 4     every part twice                            count the first copy, refuse the second (409),

@@ -129,7 +129,12 @@ class Owner:
         if stop == start:  # an empty part needs no owner
             return
         rnd.reducer = PartReducer(
-            rnd.my_part, stop - start, tuple(rnd.members), self.config.clip_multiple, done=asyncio.Event()
+            rnd.my_part,
+            stop - start,
+            tuple(rnd.members),
+            self.config.clip_multiple,
+            owner=self.peer_id,
+            done=asyncio.Event(),
         )
         own = vector[start:stop]
         # the mean of dense copies is dense: judge the answer by my own copy, before anything is reduced

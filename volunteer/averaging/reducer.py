@@ -54,7 +54,7 @@ class PartReducer:
     A member's copy is read sub-frame by sub-frame (never a joined body) into a buffer of the part's length
     (in its codec's payload for a lossy codec, see :class:`KeptPart`). The group's copies of one part
     together are about the size of the whole vector (G copies of 1/G of it); they are kept until the part
-    closes because clipping to the median norm needs every member's norm before the mean, and a copy that
+    closes because clipping needs every member's norm before the mean, and a copy that
     fails a check half-way must leave no trace in the mean.
 
     Life: each copy is begun (:meth:`begin`), then accepted or rejected (``settled`` once every member's
@@ -67,6 +67,7 @@ class PartReducer:
     length: int
     members: tuple[str, ...]
     clip_multiple: float
+    owner: str = ""  # this peer: its own copy's norm is what the others are clipped against
     contributions: dict[str, Contribution] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -167,8 +168,7 @@ class PartReducer:
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
-            norms = sorted(c.norm for c in weighted)
-            bound = self.clip_multiple * norms[(len(norms) - 1) // 2]  # lower median: robust for 2 members
+            bound = self.clip_multiple * self._reference_norm(weighted)
             for c in weighted:
                 if c.norm > bound:
                     scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
@@ -180,6 +180,18 @@ class PartReducer:
             if (values := c.values) is not None  # (all of them: the type checker cannot know)
         ]
         return terms, tuple(sorted(clipped)), ""
+
+    def _reference_norm(self, weighted: list[Contribution]) -> float:
+        """The norm copies are clipped against: the lower median of the copies' norms, but never above the
+        owner's own copy's. With the median alone, two colluders of three set their own clip; the owner's
+        norm is one no coalition of the others can raise (they can only lower the bound, which takes their
+        own weight out of the mean too), and the median still clips an owner whose own copy spikes."""
+        norms = sorted(c.norm for c in weighted)
+        median = norms[(len(norms) - 1) // 2]  # lower median: robust for 2 members
+        own = self.contributions.get(self.owner)
+        if own is not None and own.weight > 0 and own.values is not None and own.norm > 0:
+            return min(own.norm, median)
+        return median
 
     @staticmethod
     def reduce_slice(terms: list[Term], a: int, b: int, out: np.ndarray) -> None:
