@@ -324,3 +324,65 @@ async def test_flood_of_bogus_allreduce_posts_is_refused_and_retains_nothing():
     assert statuses.get(401, 0) >= 100 and statuses.get(404, 0) >= 100, statuses
     assert set(statuses) <= {401, 404}, statuses
     assert averager.owner.rounds == {} and len(averager.owner.finished) == 0
+
+
+@pytest.mark.tracker_config(peer_ttl_s=3.0, heartbeat_interval_s=1.0)
+async def test_a_slowloris_trickling_header_bytes_is_closed_and_others_are_answered_meanwhile(tracker):
+    """A client that opens connections and sends header bytes now and then, never finishing a request, is
+    disconnected once it completed no request for ``peer_ttl_s`` (aiohttp's default held it an hour); the
+    tracker answers others all along. A volunteer's peer server does the same after IDLE_S."""
+    host, port = tracker.url.removeprefix("http://").split(":")
+    slow = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+    for _, writer in slow:
+        writer.write(b"GET /api/v1/runs HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # a header line that never ends
+    closed: set[int] = set()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):  # (a bound against a hang, not a timing: each turn is ~0.1 s)
+            for i, (reader, writer) in enumerate(slow):
+                if i in closed:
+                    continue
+                with contextlib.suppress(ConnectionError):
+                    writer.write(b"a")  # (a byte at a time: far from any header size limit)
+                    await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(1024), 0.02) == b"":
+                        closed.add(i)
+                except (TimeoutError, ConnectionError):
+                    pass
+            if len(closed) == len(slow):
+                break
+            async with session.get(tracker.url + "/healthz") as resp:  # others are answered meanwhile
+                assert resp.status == 200
+    for _, writer in slow:
+        writer.close()
+    assert len(closed) == len(slow), f"{len(slow) - len(closed)} slow connections were still open"
+
+
+@pytest.mark.slow
+async def test_a_volunteers_peer_server_closes_a_slowloris_after_its_idle_limit():
+    """The same on a volunteer's peer server (its limit, IDLE_S = 30 s, is fixed: this takes ~30 s)."""
+    from crowdtrain.volunteer.peer_server import IDLE_S, PeerServer
+
+    server = PeerServer("127.0.0.1", 0)
+    port = await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/allreduce/r/grad/0 HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        closed = False
+        for _ in range(int(4 * IDLE_S)):  # (a bound against a hang: each turn is ~0.5 s)
+            with contextlib.suppress(ConnectionError):
+                writer.write(b"a")
+                await writer.drain()
+            try:
+                if await asyncio.wait_for(reader.read(1024), 0.5) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                pass
+            except ConnectionError:
+                closed = True
+                break
+        writer.close()
+        assert closed, "the peer server still held the slow connection"
+    finally:
+        await server.stop()

@@ -168,8 +168,14 @@ class Tracker:
     async def start(self) -> None:
         quiet_parser_errors()
         await self.checker.start()
+        # a connection that completes no request for peer_ttl_s (a slowloris trickling header bytes, or an
+        # idle keep-alive) is closed, as a volunteer silent that long is forgotten (aiohttp's default: 1 h)
         self._runner = web.AppRunner(
-            self.app(), access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_DRAIN_S
+            self.app(),
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_DRAIN_S,
+            keepalive_timeout=self.config.peer_ttl_s,
         )
         await self._runner.setup()
         # Our own sockets (bound as TCPSite would), so that close() can stop accepting before the cleanup.

@@ -16,6 +16,7 @@ from crowdtrain.protocol.serving import bind_listener, start_serving, stop_servi
 
 MAX_BODY = 256 << 20  # the all-reduce routes stream their bodies; this bounds anything read whole
 BACKLOG = 128
+IDLE_S = 30.0  # longer than a client's own keep-alive (aiohttp's 15 s), so it never closes one in use
 
 
 class PeerServer:
@@ -50,7 +51,10 @@ class PeerServer:
         """Serve on the bound port (binding it first if needed); returns the port."""
         sock = self._listener()
         quiet_parser_errors()
-        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        # a connection that completes no request for IDLE_S (a slowloris, or an idle keep-alive) is closed
+        self._runner = web.AppRunner(
+            self._app, access_log=None, handle_signals=False, keepalive_timeout=IDLE_S
+        )
         await self._runner.setup()
         await start_serving(self._runner, [sock], BACKLOG)
         return self.port
