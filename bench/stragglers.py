@@ -56,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--tick", type=float, default=0.2, help="seconds between stall draws (heavy-tail)")
     ap.add_argument("--target", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--delay", type=int, default=0, choices=(0, 1), help="[averaging] delay of the runs")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
     args.scenarios = args.scenarios.split(",")
@@ -135,7 +136,13 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
 
     workdir = workdir / f"{scenario}-{rule}"
     margs = {"d_model": 128, "n_layer": 4, "n_head": 4, "seq_len": 64}
-    averaging = {"group_size": 4, "codec": "int8", "gather_s": 1.0, "step_timeout_s": 120.0}
+    averaging = {
+        "group_size": 4,
+        "codec": "int8",
+        "gather_s": 1.0,
+        "step_timeout_s": 120.0,
+        "delay": args.delay,
+    }
     tracker = {"straggler_intervals": 1.5 if rule == "on" else 0.0, "peer_ttl_s": 60.0}
     procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
     records: dict[int, Any] = {}

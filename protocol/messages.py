@@ -504,6 +504,7 @@ class PeerStatus(Message, frozen=True, kw_only=True):
     bt_reachable: bool | None = None  # its BitTorrent port accepted a connection; None: not checked
     compute_share: float | None = None  # as its last heartbeat said (see Heartbeat.compute_share)
     backbone: bool = False  # computes no gradients: averages, serves the state and the data set
+    upload_bps: float | None = None  # as its last heartbeat said: the rate its answers went out at (bytes/s)
 
 
 class StepRecord(Message, frozen=True, kw_only=True):

@@ -223,7 +223,7 @@ def test_status_shows_the_credit_ledger_and_a_backbone():
 
     backbone = PeerStatus(
         peer_id="bb01", step=3, samples=0, samples_per_s=0.0, client_mode=False, chunks_held=4,
-        address="203.0.113.7:41234", reachable=True, backbone=True,
+        address="203.0.113.7:41234", reachable=True, backbone=True, upload_bps=2.5e6,
     )  # fmt: skip
     status = RunStatus(
         run_id="r-1", name="run", global_step=3, samples=0, target=8, eta_s=None, peers_online=1,
@@ -233,6 +233,7 @@ def test_status_shows_the_credit_ledger_and_a_backbone():
     )  # fmt: skip
     lines = format_status(status).splitlines()
     assert any(line.endswith("backbone, reachable at 203.0.113.7:41234") for line in lines), lines
+    assert any("2.5 MB/s" in line and "upload" not in line for line in lines), lines  # its measured uplink
     start = lines.index("  credit ledger (samples of each volunteer key that entered the averages):")
     assert lines[start + 2].split() == ["abababababababab…", "1,234", "3", "2"]
     assert lines[start + 3].split() == ["cdcdcdcdcdcdcdcd…", "0", "3", "2"]

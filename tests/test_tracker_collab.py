@@ -111,6 +111,8 @@ async def test_parts_follow_the_owners_measured_upload_rates_within_the_spread(t
     unknown = next(p for p, r in rate_of.items() if r is None)
     assert weight_of[unknown] == weight_of[slow]  # the median of the known rates
     assert sum(a.part_weights) == pytest.approx(1 << 16, abs=4)
+    shown = {p.peer_id: p.upload_bps for p in (await client.status(run_id)).peers}  # status shows the rates
+    assert shown == rate_of
 
 
 async def test_ready_before_the_close_waits_then_gets_its_group(client):

@@ -134,6 +134,7 @@ class Peer:
             bt_reachable=self.reach.bt_reachable,
             compute_share=self.compute_share,
             backbone=self.backbone,
+            upload_bps=self.upload_bps,
         )
 
 

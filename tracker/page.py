@@ -82,7 +82,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
  fill="#6a7385"></text></svg>
 <h2>Peers</h2>
 <table id=peers><thead><tr><th>peer</th><th>step</th><th>samples</th><th>rate</th><th>compute</th>
-<th>chunks</th><th>loss</th><th>averaging</th><th>bittorrent</th></tr></thead><tbody></tbody></table>
+<th>upload</th><th>chunks</th><th>loss</th><th>averaging</th><th>bittorrent</th></tr></thead><tbody></tbody></table>
 <h2>Held-out evaluation (loss by evaluated step)</h2>
 <svg id=eval width=640 height=160 viewBox="0 0 640 160"><polyline id=eval-line fill=none stroke="#c0582b"
  stroke-width=2 points="" data-points=0 /><text id=eval-label x=8 y=16 font-size=12 fill="#6a7385"></text></svg>
@@ -151,7 +151,8 @@ async function refresh() {
     const peers = $("peers").tBodies[0]; peers.replaceChildren();
     for (const p of st.peers) {
       peers.appendChild(row([p.peer_id, p.step, p.samples, num(p.samples_per_s, 1) + "/s",
-        p.compute_share === null ? "–" : Math.round(100 * p.compute_share) + "%", p.chunks_held, num(p.loss, 3),
+        p.compute_share === null ? "–" : Math.round(100 * p.compute_share) + "%",
+        p.upload_bps === null ? "–" : num(p.upload_bps / 1e6, 2) + " MB/s", p.chunks_held, num(p.loss, 3),
         (p.backbone ? "backbone, " : "") +
           (p.client_mode ? "client mode" : (p.reachable ? "reachable at " + p.address : "not reachable")),
         p.bt_reachable === null ? "–" : (p.bt_reachable ? "reachable" : "not reachable")]));

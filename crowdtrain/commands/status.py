@@ -8,7 +8,12 @@ import typer
 
 from crowdtrain.commands.common import run_async, wants_json
 from crowdtrain.protocol.runcheck import printable
-from crowdtrain.volunteer.view.fmt import fmt_eta, fmt_percent
+from crowdtrain.volunteer.view.fmt import fmt_bytes, fmt_eta, fmt_percent
+
+
+def _upload(bps: float | None) -> str:
+    """The rate a peer's answers went out at (what its part of the average is sized by), or a dash."""
+    return "-" if bps is None else fmt_bytes(bps) + "/s"
 
 
 def _rate(x: float) -> str:
@@ -51,13 +56,14 @@ def format_status(status) -> str:  # status: RunStatus
     if status.peers:
         lines.append("  peers:")
         lines.append(
-            f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'compute':>7} {'chunks':>6}"
-            f"  {'bittorrent':<10}  averaging"
+            f"    {'peer':<18} {'step':>6} {'samples':>9} {'rate':>12} {'compute':>7} {'upload':>10}"
+            f" {'chunks':>6}  {'bittorrent':<10}  averaging"
         )
         for p in status.peers:
             lines.append(
                 f"    {p.peer_id:<18} {p.step:>6} {p.samples:>9,} {_rate(p.samples_per_s):>12}"
-                f" {fmt_percent(p.compute_share):>7} {p.chunks_held:>6}  {_bt(p):<10}  {_reach(p)}"
+                f" {fmt_percent(p.compute_share):>7} {_upload(p.upload_bps):>10} {p.chunks_held:>6}  {_bt(p):<10}"
+                f"  {_reach(p)}"
             )
     if status.recent_steps:
         lines.append("  recent steps:")
