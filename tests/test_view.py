@@ -448,11 +448,13 @@ def test_status_shows_each_peers_compute_share():
         "samples",
         "rate",
         "compute",
+        "upload",
         "chunks",
         "bittorrent",
         "averaging",
     ]
     assert alice.split()[4] == "87%" and bob.split()[4] == "—"
+    assert alice.split()[5] == "—"  # no upload rate measured yet
     # the column lines up under its heading
     end = header.index("compute") + len("compute")
     assert alice[:end].endswith("87%") and bob[:end].endswith("—")

@@ -13,7 +13,7 @@ from crowdtrain.volunteer.view.fmt import fmt_bytes, fmt_eta, fmt_percent
 
 def _upload(bps: float | None) -> str:
     """The rate a peer's answers went out at (what its part of the average is sized by), or a dash."""
-    return "-" if bps is None else fmt_bytes(bps) + "/s"
+    return fmt_bytes(bps) if bps is None else fmt_bytes(bps) + "/s"  # (None: the view's dash)
 
 
 def _rate(x: float) -> str:
