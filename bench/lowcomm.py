@@ -14,6 +14,7 @@ H × 256 samples) and ``[eval] holdout_chunks = 1``: the last chunk is never tra
     .venv/bin/python bench/lowcomm.py --tokens 1966080 --markdown     # 4 × 30 × 256 × 64: equal for every row
     .venv/bin/python bench/lowcomm.py --tokens 1000000 --configs 1:int8,10:int8
     .venv/bin/python bench/lowcomm.py --configs 1:int8,10:sparse:1.0:0.0        # H:codec:outer_lr:outer_momentum
+    .venv/bin/python bench/lowcomm.py --configs 1:int8,30:int2:0.7:0.9:128      # ...:inner_batch_size
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,
@@ -65,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--configs",
         default="1:int8,10:int8,30:int8,10:none,10:sparse,30:sparse",
-        help="H:codec or H:codec:outer_lr:outer_momentum, comma-separated (default outer step: 0.7, 0.9)",
+        help="H:codec or H:codec:outer_lr:outer_momentum[:inner_batch], comma-separated (default outer step: "
+        "0.7, 0.9; inner batch 64)",
     )
     ap.add_argument("--volunteers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -85,12 +87,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def config(text: str) -> tuple[int, str, tuple[float, float] | None]:
-    """``H:codec`` or ``H:codec:outer_lr:outer_momentum`` → (H, codec, outer step or None: the defaults)."""
+def config(text: str) -> tuple[int, str, tuple[float, ...] | None]:
+    """``H:codec``, ``H:codec:outer_lr:outer_momentum`` or ``H:codec:outer_lr:outer_momentum:inner_batch``
+    → (H, codec, outer step [and inner batch] or None: the defaults)."""
     h, codec, *outer = text.split(":")
-    if outer and len(outer) != 2:
-        raise SystemExit(f"--configs: {text!r} is not H:codec or H:codec:outer_lr:outer_momentum")
-    return int(h), codec, (float(outer[0]), float(outer[1])) if outer else None
+    if outer and len(outer) not in (2, 3):
+        raise SystemExit(
+            f"--configs: {text!r} is not H:codec or H:codec:outer_lr:outer_momentum[:inner_batch]"
+        )
+    return int(h), codec, tuple(float(x) for x in outer) if outer else None
 
 
 async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args, outer=None) -> Any:
@@ -100,9 +105,9 @@ async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args,
     averaging: dict[str, Any] = {"group_size": args.volunteers, "codec": codec, "inner_steps": h,
                                  "step_timeout_s": STEP_TIMEOUT_S}  # fmt: skip
     if h > 1:
-        averaging["inner_batch_size"] = INNER_BATCH
+        averaging["inner_batch_size"] = INNER_BATCH if outer is None or len(outer) < 3 else int(outer[2])
     if outer is not None:
-        averaging["outer_lr"], averaging["outer_momentum"] = outer
+        averaging["outer_lr"], averaging["outer_momentum"] = outer[:2]
     create = await asyncio.to_thread(
         build_run_create, data, name=f"lowcomm H={h} {codec}", model={"recipe": "tiny-gpt", "args": margs},
         target_batch_size=TARGET, micro_batch_size=MICRO, optimizer={"name": "adamw", "lr": 1e-3},
@@ -175,8 +180,11 @@ async def one_run(
 ) -> dict:
     steps = math.ceil(args.tokens / (TARGET * margs["seq_len"] * h))
     spec = await create_run(tracker, data, h, codec, margs, args, outer)
-    workdir = workdir / (f"h{h}-{codec}" + (f"-{outer[0]}-{outer[1]}" if outer else ""))
-    codec = codec if outer is None else f"{codec}, outer {outer[0]:g}/{outer[1]:g}"  # (the row's label)
+    workdir = workdir / (f"h{h}-{codec}" + ("-" + "-".join(f"{x:g}" for x in outer) if outer else ""))
+    if outer is not None:  # (the row's label)
+        codec = f"{codec}, outer {outer[0]:g}/{outer[1]:g}" + (
+            f", inner {outer[2]:g}" if len(outer) > 2 else ""
+        )
     procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
     opts = argparse.Namespace(steps=steps, threads=args.threads, device=args.device)
     print(f"H = {h}, codec {codec}: {steps} steps of {h} × {TARGET} samples ...", flush=True)
