@@ -11,17 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crowdtrain.tracker.ledger import (
-    COVERED_GRACE_S,
-    LATE_FACTOR,
-    LATE_GRACE_S,
-    SAMPLES_SLACK,
-    SPARE_FRACTION,
-    SPARE_MARGIN_S,
-    SPARE_WAIT_S,
-    Ledger,
-    Tally,
-)
+from crowdtrain.tracker.ledger import SAMPLES_SLACK, Ledger, Tally
 
 MICRO = 8  # micro_batch_size, as in tests/sim.py's runs
 
@@ -274,7 +264,6 @@ op = st.one_of(
     st.tuples(st.just("close")),
     st.tuples(st.just("form"), st.floats(0.0, 1.0)),  # how much of its ahead share each ready peer computed
     st.tuples(st.just("reopen")),
-    st.tuples(st.just("spares")),
 )
 
 
@@ -290,12 +279,11 @@ def test_honest_peers_never_get_allotments_above_the_target_and_the_tally_stays_
 ):
     """Any sequence of joins, leaves, honest heartbeats (samples within the allotment; a peer new to the
     step claims none), closes, rounds formed (ready calls with samples ahead within the ahead share) and
-    reopens, spares opened: the kept tally equals the sum over the shares, and the peers at the step are never
-    allotted more than the target between them (nor more than they hold, once what they hold is above it),
-    but for the spares opened at the step."""
+    reopens: the kept tally equals the sum over the shares, and the peers at the step are never allotted
+    more than the target between them (nor more than they hold, once what they hold is above it)."""
     book = Ledger("run-test", target, MICRO, share, delay=delay)
     joined(book, *NAMES)
-    now, closed, spares = 0.0, False, 0
+    now, closed = 0.0, False
     for o in ops:
         now += 0.5
         name = o[1] if len(o) > 1 and isinstance(o[1], str) else None
@@ -317,110 +305,48 @@ def test_honest_peers_never_get_allotments_above_the_target_and_the_tally_stays_
                 ahead = int(o[1] * (x.ahead_share or 0)) if delay and not x.computing else 0
                 book.credit_ready(n, book.step, x.samples, ahead, now)
             book.advance(ready, now + 0.1)
-            closed, spares = False, 0
+            closed = False
         elif o[0] == "reopen" and closed:
             book.reopen()
-            closed, spares = False, 0
-        elif o[0] == "spares" and not closed and book.open_spares(now):
-            spares = book.offered
+            closed = False
         assert_tally_is_the_sum(book)
-        assert book.tally.reserved <= max(target, book.tally.samples) + spares
+        assert book.tally.reserved <= max(target, book.tally.samples)
         at_step = [x for x in (book.share(n) for n in NAMES) if x is not None and x.step == book.step]
         assert sum(max(x.allotted, x.samples) for x in at_step) == book.tally.reserved
 
 
-def test_a_peer_is_late_once_the_others_waited_a_quarter_of_their_step_and_it_is_past_1_25_its_own():
+def test_a_peer_is_late_once_the_others_waited_half_their_step_and_it_is_past_one_and_a_half_its_own():
     """Backup workers (issue 27): a and c finish at t=4 (a step of 4 s); b reported 8 of its 40 at t=1 at 10
-    samples/s, so its rest should take 3.2 s. The others have waited long enough at t=5 (a quarter of their
-    step); b is late from t = 1 + 1.25 × 3.2 + 0.25 = 5.25, not before."""
-    assert (LATE_FACTOR, LATE_GRACE_S) == (1.25, 0.25)  # (the figures below)
+    samples/s, so its rest should take 3.2 s. The others have waited long enough at t=6 (half their step); b is
+    late from t = 1 + 1.5 × 3.2 + 0.5 = 6.3, not before."""
     book = ledger(120)
     joined(book, "a", "b", "c")
     for name in ("a", "b", "c"):
         beat(book, name, 0, 10.0, now=0.0)
     assert beat(book, "b", 8, 10.0, now=1.0).allotted == 40
-    assert book.overdue(4.9) == []  # nobody is done yet: no one to compare with
+    assert book.overdue(5.0) == []  # nobody is done yet: no one to compare with
     for name in ("a", "c"):
         assert beat(book, name, 40, 10.0, now=4.0).done_at == 4.0
-    assert book.overdue(4.99) == []  # the others have not waited a quarter of their step
-    assert book.overdue(5.24) == []  # b is not past 1.25 × its own time yet
-    assert book.overdue(5.26) == ["b"]
-    beat(book, "b", 20, 10.0, now=5.3)  # it spoke: its rest (2 s) is timed from now
-    assert book.overdue(5.4) == [] and book.overdue(5.3 + 1.25 * 2.0 + 0.26) == ["b"]
+    assert book.overdue(5.9) == []  # the others have not waited half their step
+    assert book.overdue(6.29) == []  # b is not past 1.5 × its own time yet
+    assert book.overdue(6.3) == ["b"]
+    beat(book, "b", 20, 10.0, now=6.4)  # it spoke: its rest (2 s) is timed from now
+    assert book.overdue(6.5) == [] and book.overdue(6.4 + 1.5 * 2.0 + 0.5) == ["b"]
 
 
-def test_spares_give_a_peer_behind_its_rest_to_the_peers_done_and_it_is_not_waited_for_once_past_its_time():
-    """Backup workers (issue 27): a and c finish their 40 at t=4 (a step of 4 s); b reported 8 of its 40 at
-    t=1 at 10 samples/s, so it should be done at 4.2. Once a has waited 0.6 s (SPARE_FRACTION of its step) and
-    b is behind (past 4.2 by SPARE_FRACTION of its 3.2 s rest: 4.68), b's 32 owed samples are allotted again to
-    a and c, by rate (the allotments then sum above the target); at the close b is not waited for from 4.2 +
-    COVERED_GRACE_S while it says nothing; when it speaks its share is cut to what it holds (its rest was
-    computed by the others)."""
-    assert (SPARE_WAIT_S, SPARE_FRACTION, SPARE_MARGIN_S, COVERED_GRACE_S) == (0.1, 0.15, 0.15, 0.2)
-    book = ledger(120)
-    joined(book, "a", "b", "c")
-    for name in ("a", "b", "c"):
-        beat(book, name, 0, 10.0, now=0.0)
-    assert beat(book, "b", 8, 10.0, now=1.0).allotted == 40
-    assert book.open_spares(3.9) == 0  # nobody is done yet
-    beat(book, "a", 40, 10.0, now=4.0)
-    beat(book, "c", 40, 30.0, now=4.0)
-    assert book.open_spares(4.59) == 0  # a and c have not waited 0.6 s
-    assert book.open_spares(4.67) == 0  # b is not behind yet
-    assert book.offered == 0 and not book.written_off("b", 9.0)
-    assert book.open_spares(4.69) == 32
-    assert book.offered == 32  # 8 for a, 24 for c (by rate)
-    assert book.open_spares(5.0) == 0  # once a step
-    assert beat(book, "a", 40, 10.0, now=4.75).allotted == 48
-    assert beat(book, "c", 40, 30.0, now=4.75).allotted == 60  # (at most its share cap: half the target)
-    assert book.offered == 0 and book.tally.reserved == 40 + 48 + 60 > book.target
-    assert beat(book, "a", 44, 10.0, now=4.9).allotted == 48  # a keeps its spare while it computes it
-    assert not book.written_off("b", 4.39) and book.written_off("b", 4.41)
-    assert beat(book, "b", 20, 10.0, now=5.0).allotted == 20  # it spoke: waited for, its rest is covered
-    assert not book.written_off("b", 9.0)
-    book.advance(["a", "b", "c"], 6.0)  # a new step: no spares, nobody covered
-    assert book.offered == 0 and not book.written_off("b", 99.0)
-    assert_tally_is_the_sum(book)
-
-
-def test_no_spares_while_a_peer_that_owes_samples_is_on_time():
-    """b is behind, d computes on time (it began later): spares would cut d's share, so none are opened."""
-    book = ledger(160)
-    joined(book, "a", "b", "c", "d")
-    for name in ("a", "b", "c"):
-        beat(book, name, 0, 10.0, now=0.0)
-    beat(book, "d", 0, 10.0, now=2.0)
-    for name in ("a", "c"):
-        beat(book, name, 40, 10.0, now=4.0)
-    assert book.share("d").allotted - book.share("d").samples > 0  # due at 2 + 40 / 10 = 6
-    assert book.open_spares(5.0) == 0
-    beat(book, "d", 40, 10.0, now=5.5)  # d done: now b alone owes, and is behind (due at 4, rest 4 s)
-    assert book.open_spares(5.6) == 40
-
-
-def test_a_peer_done_is_not_done_once_allotted_more_and_a_revoked_one_is_written_off_while_silent_if_late_or_empty():
+def test_a_peer_done_is_not_done_once_allotted_more_and_a_revoked_one_is_written_off_only_while_silent_and_empty():
     book = ledger(120)
     joined(book, "a", "b", "c")
     for name in ("a", "b", "c"):
         beat(book, name, 0, 10.0, now=0.0)
     assert beat(book, "a", 40, 10.0, now=4.0).done_at == 4.0
     assert book.revoke("b") == 40  # b computed nothing of it: freed, written off
-    assert book.written_off("b", 6.0) and not book.written_off("a", 6.0)
+    assert book.written_off("b") and not book.written_off("a")
     share = beat(book, "a", 40, 10.0, now=4.5)  # a is allotted a share of what b freed: it owes samples again
     assert share.allotted > 40 and share.done_at == -1.0
     beat(book, "b", 0, 10.0, now=5.0)  # b speaks: it is waited for again
-    assert not book.written_off("b", 6.0)
+    assert not book.written_off("b")
     book.revoke("c")
-    assert book.written_off("c", 6.0)
-    beat(book, "b", 8, 10.0, now=5.5)  # b holds 8 samples now
-    assert (
-        book.revoke("b") > 0
-    )  # revoked as silent (its heartbeats may only be held up): its ready call is waited for
-    assert not book.written_off("b", 6.0)
-    beat(book, "b", 8, 10.0, now=5.6)
-    assert (
-        book.revoke("b", late=True) > 0
-    )  # revoked as late: the others compute its rest, its 8 are not waited for
-    assert book.written_off("b", 6.0)
+    assert book.written_off("c")
     book.advance(["a", "b", "c"], 6.0)  # a new step: nobody is written off
-    assert not any(book.written_off(name, 6.0) for name in ("a", "b", "c"))
+    assert not any(book.written_off(name) for name in ("a", "b", "c"))

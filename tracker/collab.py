@@ -38,11 +38,9 @@ The rules volunteers rely on:
   ready call is gathered like anyone's (``gather_s``): a volunteer whose heartbeats were only late (an uplink
   full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
   missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
-  Before that, *spares* (backup workers, :meth:`Ledger.open_spares`): once the peers done with the step have
-  waited and every peer that owes samples is behind its own time, what they owe is allotted again to the
-  peers done, and the step closes on whoever reaches the target; a covered peer silent since is not waited
-  for at the close (``Ledger.written_off``). A *late* peer (:meth:`Ledger.overdue`: past 1.25 × its own
-  expected time) silent LATE_SILENT_S is revoked, and not waited for either while silent.
+  A *late* peer goes sooner (backup workers, :meth:`Ledger.overdue`): the others done and waiting half their
+  step, it past 1.5 × its own expected time and silent LATE_SILENT_S. A revoked peer holding nothing of the
+  step and silent since is not waited for at the close (``Ledger.written_off``).
 * Peers silent for ``peer_ttl_s`` expire.
 * Who may serve the run's state, and which state newcomers fetch, is :mod:`crowdtrain.tracker.donors`'s:
   a peer vouches for the state of step N only if it took part in step N - 1 (or the state's hash was
@@ -91,7 +89,7 @@ log = logging.getLogger("crowdtrain.tracker")
 STRAGGLE_FLOOR_S = 2.0
 # a late peer (Ledger.overdue: the others done and waiting, it past 1.5 × its own expected time) is revoked
 # once it has said nothing for this long: one that spoke within it is computing, only slower than it said
-LATE_SILENT_S = 0.5
+LATE_SILENT_S = 1.0
 
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -162,8 +160,9 @@ class RunState:
         self.state_donors = Donors(self.run_id, self.rounds)
         self.peers: dict[str, Peer] = {}
         self.opened_at = time.time()
-        # A tracker restarted mid-run knows none of its peers yet: it closes no step until they had time to
-        # heartbeat again (else the first one back would be grouped alone and the others miss the step).
+        # A tracker restarted in the middle of a run knows none of its peers yet: it closes no step until
+        # they had time to heartbeat again, or the first one back would be grouped alone and the others
+        # would miss the step.
         self.quiet_until = self.opened_at + quiet_s
         self.closed_at: float | None = None
         self.gather_until = 0.0  # after the close: how long ready calls are gathered
@@ -303,7 +302,7 @@ class RunState:
 
     def freed_now(self, before: int) -> None:
         """More samples of the open step are free than ``before``: the step watches answer (wait_close)."""
-        if self.closed_at is None and self.ledger.offered > max(before, 0):
+        if self.closed_at is None and self.ledger.free > max(before, 0):
             self.freed += 1
             self._wake()
 
@@ -340,7 +339,7 @@ class RunState:
             for p in self.peers.values()
             if p.share.step in (self.global_step, self.global_step - 1)
             and p.peer_id not in self.ready
-            and not self.ledger.written_off(p.peer_id, time.monotonic())
+            and not self.ledger.written_off(p.peer_id)
         ]
         self.pending = {p.peer_id for p in pending}
         # a contributor says "ready" once its micro-batch in flight is done: wait that long for it
@@ -371,7 +370,6 @@ class RunState:
     def maybe_form(self, now: float) -> None:
         if self.closed_at is None:
             return
-        self.pending = {p for p in self.pending if not self.ledger.written_off(p, time.monotonic())}
         if self.pending and now < self.gather_until:
             return
         if not any(w > 0 for pid, w in self.ready.items() if pid in self.peers):
@@ -455,8 +453,8 @@ class RunState:
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
-            if self.freed != freed and self.global_step == step and self.ledger.offered > 0:
-                free = self.ledger.offered  # (freed, or spares opened, and not taken yet)
+            if self.freed != freed and self.global_step == step and self.ledger.free > 0:  # (not taken yet)
+                free = self.ledger.free
                 break
             freed = self.freed
             remaining = deadline - loop.time()
@@ -570,15 +568,13 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
     if run.closed_at is not None or run.closed is not None:
         return []
     now = time.monotonic()
-    if run.ledger.open_spares(now):  # the step watches of the peers done with it answer: they ask for them
-        run.freed_now(0)
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
     revoked = []
     for peer in suspects:
         free = run.ledger.free
-        owed = run.ledger.revoke(peer.peer_id, late=peer.peer_id in late)
+        owed = run.ledger.revoke(peer.peer_id)
         if owed:
             revoked.append(peer.peer_id)
             log.info(

@@ -24,24 +24,17 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
 * **Allotment.** What is left of the target (the samples no peer holds yet) is shared out by rate: a peer's
   fair share is what it holds plus ``left × its rate ÷ the rate of every peer that computes`` (an unknown
   rate counts as the mean), within what the others do not hold or were not allotted, never less than it
-  holds. The allotments never sum above the target (but for spares), so a step closes on its target.
+  holds. The allotments never sum above the target, so a step closes on exactly its target (or below it).
 * **Ahead share** (delay 1). A peer may compute ahead for the next step its share of a step by rate among
   the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
   mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
   or the step's weight, whichever is larger, and the share cap.
-* **Late** (backup workers, issue 27). Once the peers done with the open step have waited (LATE_FACTOR - 1)
-  as long as their step took (LATE_GRACE_S at least), a peer that still owes samples and is past LATE_FACTOR × the time
+* **Late** (backup workers, issue 27). Once the peers done with the open step have waited half as long as
+  their step took (LATE_GRACE_S at least), a peer that still owes samples and is past LATE_FACTOR × the time
   its rest should take at its rate, from when it last reported, plus LATE_GRACE_S, is late (:meth:`overdue`):
   allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
   also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
   step and has not spoken since is written off: the round does not wait for its ready call.
-* **Spares** (backup workers, issue 27). Once the first peer done with the open step has waited SPARE_WAIT_S
-  (or SPARE_FRACTION of its step) and a peer that owes samples is past the time its rest should have taken
-  (from when it last reported, at its rate), the peers done with the step are allotted those owed samples
-  again, by rate (:meth:`open_spares`; once a step): the allotments then sum above the target, and the
-  step closes on whoever reaches it first, by at most the spares over it. The peers whose rest was so
-  covered, silent since and COVERED_GRACE_S past their time at the close, are not waited for
-  (:meth:`written_off`): what they computed of the step is dropped, and they hear they missed it.
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -69,16 +62,8 @@ RATE_DUST = 1e-6
 # A peer that owes samples is late (see the rules above) past LATE_FACTOR × what its rest should take, plus
 # LATE_GRACE_S, once the peers done with the step have waited (LATE_FACTOR - 1) × their step, at least
 # LATE_GRACE_S.
-LATE_FACTOR = 1.25
-LATE_GRACE_S = 0.25
-# Spare shares (backup workers): once the first peer done with the open step has waited SPARE_WAIT_S (or
-# SPARE_FRACTION of its step, whichever is longer) and a peer that owes samples is past the time its rest
-# should have taken, the peers done with it are allotted that rest again, by rate; at the close, a peer so
-# covered that said nothing since and is COVERED_GRACE_S past that time is not waited for.
-SPARE_WAIT_S = 0.1
-SPARE_FRACTION = 0.15
-SPARE_MARGIN_S = 0.15
-COVERED_GRACE_S = 0.2
+LATE_FACTOR = 1.5
+LATE_GRACE_S = 0.5
 # A peer is on probation (its rate counts at most the established peers' median) until it took part in
 # this many rounds.
 PROBATION_STEPS = 3
@@ -144,61 +129,6 @@ class Tally:
             self.reserved += sign * max(share.allotted, share.samples)
 
 
-class Spares:
-    """The spares of the open step (the module docstring's rule; :meth:`Ledger.open_spares`)."""
-
-    __slots__ = ("covered", "given", "offered", "opened")
-
-    def __init__(self) -> None:
-        self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
-        self.covered: dict[
-            str, float
-        ] = {}  # the peers whose rest they cover -> when it should have been done
-        self.given: set[str] = set()  # the peers allotted a spare
-        self.opened = False  # (once a step)
-
-    def open(self, at_step: list[Share], now: float) -> int:
-        """Open them if the rule says so, from the shares of the peers at the open step; returns the samples
-        covered (0: none). Only once every peer that owes samples is behind: one on time keeps its share."""
-        finished = [s for s in at_step if s.done_at >= 0]
-        if not finished:
-            return 0
-        first = min(s.done_at for s in finished)
-        took = min(s.done_at - s.step_since for s in finished)
-        if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
-            return 0
-        behind: dict[str, tuple[int, float]] = {}
-        for s in at_step:
-            owed = s.allotted - s.samples
-            if not s.computing or owed <= 0 or s.samples_per_s <= 0:
-                continue
-            rest = owed / s.samples_per_s
-            due = max(s.counted_at, s.step_since) + rest
-            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):  # not behind yet: no spares (they
-                return 0  # would cut its share, and overshoot the step when it finishes on time)
-            behind[s.peer_id] = (owed, due)
-        rates = sum(s.samples_per_s for s in finished)
-        if not behind or rates <= 0:
-            return 0
-        self.opened = True
-        pool = sum(owed for owed, _ in behind.values())
-        self.covered = {peer_id: due for peer_id, (_, due) in behind.items()}
-        self.offered = {s.peer_id: math.ceil(pool * s.samples_per_s / rates) for s in finished}
-        return pool
-
-    def take(self, peer_id: str) -> int:
-        """The spare ``peer_id`` is allotted now (0: none)."""
-        spare = self.offered.pop(peer_id, 0)
-        if spare:
-            self.given.add(peer_id)
-        return spare
-
-    def past(self, peer_id: str, now: float) -> bool:
-        """Whether ``peer_id``'s rest is covered and it is COVERED_GRACE_S past its time."""
-        due = self.covered.get(peer_id)
-        return due is not None and now >= due + COVERED_GRACE_S
-
-
 class _Change:
     """:meth:`Ledger._changing`'s context (a class, not a generator: it runs several times per heartbeat)."""
 
@@ -239,9 +169,7 @@ class Ledger:
         self._shares: dict[str, Share] = {}
         # what ready calls of this step said was computed ahead for the next one (credited), and when
         self._ahead: dict[str, tuple[int, float]] = {}
-        # revoked at the open step and silent since: True if as late (Ledger.overdue), False if as silent
-        self._revoked: dict[str, bool] = {}
-        self.spares = Spares()  # of the open step
+        self._revoked: set[str] = set()  # revoked at the open step and silent since
         self.origins = Origins()  # where each peer's requests come from (identities per address)
         self._median_rate: float | None = None  # of the peers past probation, taken as each round forms
 
@@ -283,11 +211,10 @@ class Ledger:
     def share(self, peer_id: str) -> Share | None:
         return self._shares.get(peer_id)
 
-    def revoke(self, peer_id: str, *, late: bool = False) -> int:
-        """A straggler (silent while it owes samples of the open step, or ``late``: :meth:`overdue`) loses
-        the part of its allotment it has not computed: it keeps what it holds, counts as computing nothing
-        and at no rate until it reports again, and the rest is free for the others. Returns the samples
-        freed (0: it owed none)."""
+    def revoke(self, peer_id: str) -> int:
+        """A straggler (silent while it owes samples of the open step) loses the part of its allotment it
+        has not computed: it keeps what it holds, counts as computing nothing and at no rate until it
+        reports again, and the rest is free for the others. Returns the samples freed (0: it owed none)."""
         share = self._shares[peer_id]
         owed = share.allotted - share.samples
         if share.step != self.step or not share.computing or owed <= 0:
@@ -297,38 +224,13 @@ class Ledger:
             share.computing = False
             share.samples_per_s = 0.0
         share.done_at = -1.0  # (not one of the peers done with the step: it stopped)
-        self._revoked[peer_id] = late
+        self._revoked.add(peer_id)
         return owed
 
-    def written_off(self, peer_id: str, now: float) -> bool:
-        """No round waits for its ready call: revoked and silent since, late or holding nothing (one revoked
-        as silent holding samples is waited for: its heartbeats may only have been held up), or its rest
-        covered by spares, silent since and COVERED_GRACE_S past its time (what it holds is then dropped)."""
+    def written_off(self, peer_id: str) -> bool:
+        """Revoked at the open step, silent since, holding nothing of it: no round waits for its ready call."""
         share = self._shares.get(peer_id)
-        if share is None:
-            return False
-        if self.spares.past(peer_id, now):
-            return True
-        if peer_id not in self._revoked:
-            return False
-        return self._revoked[peer_id] or share.samples == 0
-
-    def open_spares(self, now: float) -> int:
-        """Spares (the module docstring's rule), once a step: the samples owed by peers behind their time,
-        allotted again to the peers done with the step, by rate; returns how many (0: none opened)."""
-        if self.spares.opened:
-            return 0
-        pool = self.spares.open([s for s in self._shares.values() if s.step == self.step], now)
-        if pool:
-            log.info(
-                "run %s: step %d: peers behind owe %d samples: spares opened", self.run_id, self.step, pool
-            )
-        return pool
-
-    @property
-    def offered(self) -> int:
-        """What a peer done with the open step may ask for: the free samples and the spares not taken."""
-        return max(0, self.free) + sum(self.spares.offered.values())
+        return peer_id in self._revoked and share is not None and share.samples == 0
 
     def overdue(self, now: float) -> list[str]:
         """The peers late at the open step (the module docstring's rule); none until a peer is done with it."""
@@ -392,8 +294,7 @@ class Ledger:
                 share.computing = computing
             share.samples_per_s = samples_per_s
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
-        self._revoked.pop(peer_id, None)  # it spoke
-        self.spares.covered.pop(peer_id, None)
+        self._revoked.discard(peer_id)  # it spoke
         if step_open:
             self._mark_done(share, now)
         share.ahead_share = self._ahead_share(share) if self.delay else None
@@ -404,8 +305,7 @@ class Ledger:
         for the step's samples too). Its samples computed ahead are kept for the next step (:meth:`advance`),
         no more than the weight or the peer's ahead share, whichever is larger, nor the share cap."""
         share = self._shares.get(peer_id)
-        self._revoked.pop(peer_id, None)
-        self.spares.covered.pop(peer_id, None)
+        self._revoked.discard(peer_id)
         if share is None:
             self._ahead[peer_id] = (0, now)
             return 0
@@ -420,8 +320,7 @@ class Ledger:
     def reopen(self) -> None:
         """The step opens again (no round formed): what its ready calls said was computed ahead is void."""
         self._ahead = {}
-        self._revoked = {}
-        self.spares = Spares()
+        self._revoked = set()
 
     # ------------------------------------------------------------ what peers are told
 
@@ -524,11 +423,8 @@ class Ledger:
             return share.samples
         t = self.tally
         free = self.target - t.reserved - share.samples
-        if free <= 0:  # (spares: the allotments sum above the target; a peer given one keeps it)
-            if share.samples < share.allotted:
-                return share.allotted if share.peer_id in self.spares.given else share.samples
-            spare = self.spares.take(share.peer_id)
-            return share.samples + min(spare, max(0, self._room(share) - share.samples))
+        if free <= 0:
+            return share.samples
         r = share.samples_per_s
         rated, unrated = t.rated + (r > 0), t.unrated + (r <= 0)
         known = max(0.0, t.rate_sum - t.idle_rate) + max(r, 0.0)
@@ -562,8 +458,7 @@ class Ledger:
         on without waiting for a heartbeat's answer."""
         self.step += 1
         self.tally = self.recount()
-        ahead, self._ahead, self._revoked = self._ahead, {}, {}
-        self.spares = Spares()
+        ahead, self._ahead, self._revoked = self._ahead, {}, set()
         shares = [(peer_id, self._shares[peer_id]) for peer_id in moved]
         # those done with the step compute ahead (delay 1), up to their ahead share, until they hear of this
         # round: more than their ready call said, so their allotment holds that share (see _allot_ahead)
