@@ -8,21 +8,106 @@ fails an assertion (``Server._attach``) that asyncio swallows (CPython gh-109564
 aiohttp then never sees the connection, so the cleanup never closes it, and its socket is reported unclosed
 (a ResourceWarning) once collected. :func:`stop_serving` stops accepting first, lets every connection already
 accepted get its transport and reach aiohttp, and only then cleans up.
+
+At most MAX_CONNECTIONS_PER_ADDRESS connections are open at once from one address (issue 29: many slow
+connections from one host, each held until its idle limit, would take every file descriptor): the next one is
+answered 503 with a sentence and closed. This machine's own (127.0.0.1, ::1: a demo's volunteers, a reverse
+proxy in front of the tracker) are not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import sys
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
 # asyncio's create_server sets SO_REUSEADDR by default on these platforms only (elsewhere it means another
 # process may bind the same port).
 _REUSE_ADDRESS = os.name == "posix" and sys.platform != "cygwin"
+
+
+# Connections open at once from one address (NAT'd volunteers share one: each holds ~3 to a tracker, and a
+# run takes at most 8 identities from one address), and the addresses never counted.
+MAX_CONNECTIONS_PER_ADDRESS = 64
+UNCOUNTED_ADDRESSES = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+_TOO_MANY = json.dumps(
+    {
+        "error": f"more than {MAX_CONNECTIONS_PER_ADDRESS} connections are open from your address; close some first"
+    }
+).encode()
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    + f"Content-Length: {len(_TOO_MANY)}\r\n\r\n".encode()
+    + _TOO_MANY
+)
+
+
+class _Bounded(asyncio.Protocol):
+    """One connection's protocol: aiohttp's, unless its address already holds MAX_CONNECTIONS_PER_ADDRESS
+    open connections (then it is answered 503 and closed)."""
+
+    __slots__ = ("_address", "_inner", "_open", "_refused")
+
+    def __init__(self, inner: asyncio.Protocol, open_: Counter[str]) -> None:
+        self._inner = inner
+        self._open = open_
+        self._address: str | None = None  # counted in ``_open`` (None: not counted)
+        self._refused = False  # answered 503 and closed: aiohttp never saw it
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        if address is not None and address not in UNCOUNTED_ADDRESSES:
+            if self._open[address] >= MAX_CONNECTIONS_PER_ADDRESS:
+                assert isinstance(transport, asyncio.WriteTransport)
+                transport.write(_REFUSAL)
+                transport.close()
+                self._refused = True
+                return
+            self._open[address] += 1
+            self._address = address
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        if self._address is not None:
+            self._open[self._address] -= 1
+            if self._open[self._address] <= 0:
+                del self._open[self._address]
+        self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+class _BoundedSite(web.SockSite):
+    """aiohttp's SockSite, each connection's protocol wrapped in :class:`_Bounded` (the counts per site)."""
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # (registers the site with its runner; SockSite.start would serve it)
+        server: Callable[[], asyncio.Protocol] | None = self._runner.server
+        assert server is not None
+        open_: Counter[str] = Counter()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Bounded(server(), open_), sock=self._sock, backlog=self._backlog
+        )
 
 
 def _listen(info: tuple, backlog: int, *, v6only: bool) -> socket.socket:
@@ -74,7 +159,7 @@ async def start_serving(runner: web.BaseRunner, sockets: Iterable[socket.socket]
     """Serve ``runner`` (set up) on the bound sockets; ``backlog`` as they were bound with (asyncio listens
     again with it)."""
     for sock in sockets:
-        await web.SockSite(runner, sock, backlog=backlog).start()
+        await _BoundedSite(runner, sock, backlog=backlog).start()
 
 
 async def stop_serving(runner: web.BaseRunner | None, sockets: Iterable[socket.socket]) -> None:

@@ -358,6 +358,55 @@ async def test_a_slowloris_trickling_header_bytes_is_closed_and_others_are_answe
     assert len(closed) == len(slow), f"{len(slow) - len(closed)} slow connections were still open"
 
 
+async def _healthz_over(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """The first line of the answer to ``GET /healthz`` over an open connection."""
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    return await asyncio.wait_for(reader.readline(), 10)
+
+
+async def test_connections_beyond_the_per_address_bound_get_a_sentence_and_other_addresses_are_served(
+    tracker,
+):
+    """Issue 29: one address holds at most MAX_CONNECTIONS_PER_ADDRESS open connections (many slow ones
+    would each be held until their idle limit); the next is answered 503 with a sentence and closed, while
+    another address is served, a connection closed frees a place, and this machine's own (127.0.0.1) are
+    not counted. (Each side sends from its own loopback address.)"""
+    from crowdtrain.protocol.serving import MAX_CONNECTIONS_PER_ADDRESS
+
+    host, port = tracker.url.removeprefix("http://").split(":")
+
+    async def connect(source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+
+    held = [await connect("127.0.0.2") for _ in range(MAX_CONNECTIONS_PER_ADDRESS)]
+    mine = [await connect("127.0.0.1") for _ in range(MAX_CONNECTIONS_PER_ADDRESS + 1)]
+    try:
+        assert await _healthz_over(*held[-1]) == b"HTTP/1.1 200 OK\r\n"  # the last one within the bound
+        reader, writer = await connect("127.0.0.2")
+        answer = await asyncio.wait_for(reader.read(), 10)  # (then closed)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+        sentence = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert f"more than {MAX_CONNECTIONS_PER_ADDRESS} connections are open from your address" in sentence
+        held.append(await connect("127.0.0.3"))
+        assert await _healthz_over(*held[-1]) == b"HTTP/1.1 200 OK\r\n"  # another address
+        assert await _healthz_over(*mine[-1]) == b"HTTP/1.1 200 OK\r\n"  # (127.0.0.1: not counted)
+        held.pop(0)[1].close()  # one of 127.0.0.2's closed: a place is free again
+        for _ in range(100):  # (a bound against a hang: the server sees the close within a loop turn or two)
+            reader, writer = await connect("127.0.0.2")
+            first = await _healthz_over(reader, writer)
+            if first == b"HTTP/1.1 200 OK\r\n":
+                held.append((reader, writer))
+                break
+            writer.close()
+            await asyncio.sleep(0.05)
+        assert first == b"HTTP/1.1 200 OK\r\n", first
+    finally:
+        for _, writer in held + mine:
+            writer.close()
+
+
 @pytest.mark.slow
 async def test_a_volunteers_peer_server_closes_a_slowloris_after_its_idle_limit():
     """The same on a volunteer's peer server (its limit, IDLE_S = 30 s, is fixed: this takes ~30 s)."""
