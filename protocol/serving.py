@@ -11,8 +11,9 @@ accepted get its transport and reach aiohttp, and only then cleans up.
 
 At most MAX_CONNECTIONS_PER_ADDRESS connections are open at once from one address (issue 29: many slow
 connections from one host, each held until its idle limit, would take every file descriptor): the next one is
-answered 503 with a sentence and closed. This machine's own (127.0.0.1, ::1: a demo's volunteers, a reverse
-proxy in front of the tracker) are not counted.
+answered 503 with a sentence and closed. An address is counted as the tracker counts identities
+(:func:`~crowdtrain.protocol.addresses.origin_of`: an IPv4 address or an IPv6 /64; this machine's own,
+127.0.0.1 and ::1, not at all).
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ from collections.abc import Callable, Iterable
 
 from aiohttp import web
 
+from crowdtrain.protocol.addresses import origin_of
+
 # asyncio's create_server sets SO_REUSEADDR by default on these platforms only (elsewhere it means another
 # process may bind the same port).
 _REUSE_ADDRESS = os.name == "posix" and sys.platform != "cygwin"
 
 
 # Connections open at once from one address (NAT'd volunteers share one: each holds ~3 to a tracker, and a
-# run takes at most 8 identities from one address), and the addresses never counted.
+# run takes at most 8 identities from one address).
 MAX_CONNECTIONS_PER_ADDRESS = 64
-UNCOUNTED_ADDRESSES = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
 _TOO_MANY = json.dumps(
     {
         "error": f"more than {MAX_CONNECTIONS_PER_ADDRESS} connections are open from your address; close some first"
@@ -57,13 +59,14 @@ class _Bounded(asyncio.Protocol):
     def __init__(self, inner: asyncio.Protocol, open_: Counter[str]) -> None:
         self._inner = inner
         self._open = open_
-        self._address: str | None = None  # counted in ``_open`` (None: not counted)
+        self._address: str | None = None  # the origin counted in ``_open`` (None: not counted)
         self._refused = False  # answered 503 and closed: aiohttp never saw it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) and peer else None
-        if address is not None and address not in UNCOUNTED_ADDRESSES:
+        origin = origin_of(peer[0] if isinstance(peer, tuple) and peer else None)
+        if origin is not None:
+            address = origin.address
             if self._open[address] >= MAX_CONNECTIONS_PER_ADDRESS:
                 assert isinstance(transport, asyncio.WriteTransport)
                 transport.write(_REFUSAL)

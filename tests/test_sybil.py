@@ -12,11 +12,11 @@ import asyncio
 import aiohttp
 import pytest
 
+from crowdtrain.protocol.addresses import Origin, origin_of
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec
 from crowdtrain.tracker.ledger import PROBATION_STEPS
-from crowdtrain.tracker.origins import Origin, origin_of
 from tests.sim import PingServer, SimVolunteer, make_run_create
 
 HONEST_HOST, HOSTILE_HOST = "127.0.0.3", "127.0.0.2"

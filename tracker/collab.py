@@ -60,6 +60,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.messages import (
@@ -77,7 +78,6 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.tracker.donors import Donors, Offer, StateRefused
 from crowdtrain.tracker.ledger import Ledger, Share
 from crowdtrain.tracker.matchmaking import Candidate, plan
-from crowdtrain.tracker.origins import Origin
 from crowdtrain.tracker.reach import Reach
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.store import RunStore

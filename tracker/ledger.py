@@ -47,8 +47,9 @@ import logging
 import math
 from dataclasses import dataclass
 
+from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.messages import RunSpec
-from crowdtrain.tracker.origins import Origin, Origins
+from crowdtrain.tracker.origins import Origins
 
 log = logging.getLogger("crowdtrain.tracker")
 

@@ -2,7 +2,7 @@
 
 Identities cost nothing to make, so the tracker counts them where they come from: the address a join or a
 heartbeat arrives from, an IPv4 address or an IPv6 /64 (what one home or one machine holds), and its
-neighbourhood, an IPv4 /24 or an IPv6 /48. Per run, at most ``max_peers_per_address`` live identities may
+neighbourhood, an IPv4 /24 or an IPv6 /48 (:func:`crowdtrain.protocol.addresses.origin_of`). Per run, at most ``max_peers_per_address`` live identities may
 come from one address and SUBNET_FACTOR times as many from one neighbourhood; the identities of one address
 share one share cap (:mod:`crowdtrain.tracker.ledger`), so two identities there weigh no more in a step than
 one. The machine's own processes (``127.0.0.1``, ``::1``: the demo, a volunteer beside its tracker) are not
@@ -12,38 +12,9 @@ stand for separate hosts).
 
 from __future__ import annotations
 
-import ipaddress
-from dataclasses import dataclass
+from crowdtrain.protocol.addresses import Origin
 
-THIS_MACHINE = frozenset({"127.0.0.1", "::1"})
 SUBNET_FACTOR = 8  # identities of a run per /24 (/48): this many times those per address
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    address: str  # the IPv4 address, or the IPv6 /64, identities are counted by
-    subnet: str  # the IPv4 /24 or IPv6 /48 around it
-
-
-def origin_of(remote: str | None) -> Origin | None:
-    """The origin a request from ``remote`` counts for; None for this machine's own processes (and a
-    request with no IP peer, e.g. over a Unix socket)."""
-    if not remote or remote in THIS_MACHINE:
-        return None
-    try:
-        ip = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-        if str(ip) in THIS_MACHINE:
-            return None
-    if isinstance(ip, ipaddress.IPv4Address):
-        return Origin(str(ip), str(ipaddress.ip_network(f"{ip}/24", strict=False)))
-    return Origin(
-        str(ipaddress.ip_network(f"{ip}/64", strict=False)),
-        str(ipaddress.ip_network(f"{ip}/48", strict=False)),
-    )
 
 
 class Origins:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from crowdtrain import __version__
+from crowdtrain.protocol.addresses import Origin, origin_of
 from crowdtrain.protocol.credentials import issue_credential
 from crowdtrain.protocol.errors import AuthError
 from crowdtrain.protocol.messages import (
@@ -26,7 +27,6 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.tracker.collab import Peer, RunState
 from crowdtrain.tracker.donors import StateRefused
-from crowdtrain.tracker.origins import Origin, origin_of
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
