@@ -40,6 +40,7 @@ from crowdtrain.protocol.messages import (
     RunList,
     RunSpec,
     RunStatus,
+    SpotCheckVerdict,
     StateDeclare,
     StepWatch,
     decode,
@@ -297,3 +298,9 @@ class TrackerClient:
         self, run_id: str, declare: StateDeclare, key: SigningKey, credential: Credential
     ) -> None:
         await self._signed(run_id, "state", declare, key, credential)
+
+    async def spot_check(
+        self, run_id: str, verdict: SpotCheckVerdict, key: SigningKey, credential: Credential
+    ) -> None:
+        """Report the verdict of a spot-check the tracker drew this peer for."""
+        await self._signed(run_id, "spotcheck", verdict, key, credential)

@@ -142,6 +142,9 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # upload rate it measured in its last rounds (DeDLOC's bandwidth-proportional partitions: a slow uplink
     # owns less and is not the round's bottleneck); "equal", parts of one size
     part_sizes: Literal["upload", "equal"] = "upload"
+    # spot-checks (docs/security.md): the probability that a step's group has one member's contribution
+    # recomputed by another member (every-step mode with delay 0 and a codec that keeps every value; 0: never)
+    spot_checks: float = 0.25
 
     @property
     def local(self) -> bool:
@@ -446,6 +449,50 @@ class ReadyReply(Message, frozen=True, kw_only=True):
     # group: this peer's allotment of the next step (its share of the target by rate), so it computes
     # on without waiting for a heartbeat's answer
     next_allotment: int | None = None
+    # group: recompute this member's contribution to the part you own in phase 0 and report the verdict
+    spot_check: SpotCheck | None = None
+
+
+# ---------------------------------------------------------------- spot-checks
+
+PeerId = Annotated[str, Meta(max_length=64)]
+MAX_CHECKED_SAMPLES = 1 << 16  # samples one spot-check answer may list
+
+
+class SpotCheck(Message, frozen=True, kw_only=True):
+    """The tracker's request to a part owner of a step's first phase: recompute ``suspect``'s gradient of
+    ``step`` from the samples it says it used, at the step's parameters, and compare with its copy of your
+    part. Only the checker is told (in its own ready reply), after the suspect's gradient was computed."""
+
+    step: Count
+    suspect: PeerId
+
+
+class SpotCheckAnswer(Message, frozen=True, kw_only=True):
+    """``GET /v1/spotcheck/{step}`` on a volunteer's peer server: the micro-batches of its gradient of
+    ``step``, each a list of (chunk index, offset) samples in order, and the sum of their mean losses × n."""
+
+    version: Version = VERSION
+    step: Count
+    batches: Annotated[
+        list[Annotated[list[tuple[Count, Count]], Meta(min_length=1, max_length=MAX_CHECKED_SAMPLES)]],
+        Meta(max_length=MAX_CHECKED_SAMPLES),
+    ]
+    loss_sum: float  # Σ over its micro-batches of n × mean loss
+
+
+SpotOutcome = Literal["match", "mismatch", "unanswered", "unverifiable"]
+
+
+class SpotCheckVerdict(Message, frozen=True, kw_only=True):
+    """``POST /api/v1/runs/{id}/spotcheck``: what a checker found."""
+
+    version: Version = VERSION
+    peer_id: PeerId  # the checker
+    step: Count
+    suspect: PeerId
+    outcome: SpotOutcome
+    detail: Label = ""  # the figures behind it, in a few words
 
 
 # ---------------------------------------------------------------- state directory
@@ -534,6 +581,8 @@ class CreditRecord(Message, frozen=True, kw_only=True):
     samples: Count  # samples of its that entered the steps' averages (the weight it was credited with)
     steps: Count  # steps it was averaged in (a backbone's, at weight 0, count too)
     last_step: Count  # the newest of them
+    verified: Count = 0  # spot-checks its contributions passed
+    rejected: Count = 0  # spot-checks they failed (from distinct checkers' addresses)
 
 
 class RunStatus(Message, frozen=True, kw_only=True):

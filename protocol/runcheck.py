@@ -132,6 +132,10 @@ def check_averaging(avg: AveragingSpec) -> None:
     clip = avg.clip_multiple
     if not (math.isfinite(clip) and (clip == 0 or clip >= 1)):
         raise ConfigError("averaging.clip_multiple", f"must be 0 (no clipping) or a number ≥ 1, got {clip}")
+    if not (math.isfinite(avg.spot_checks) and 0 <= avg.spot_checks <= 1):
+        raise ConfigError(
+            "averaging.spot_checks", f"must be a probability from 0 to 1, got {avg.spot_checks}"
+        )
     check_local_steps(avg)
 
 

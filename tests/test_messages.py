@@ -64,7 +64,11 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy:
     if isinstance(t, mi.UnionType):
         return st.one_of(*(strategy_for(x) for x in t.types))
     if isinstance(t, mi.ListType):
-        return st.lists(strategy_for(t.item_type), max_size=min(3, t.max_length or 3))
+        return st.lists(
+            strategy_for(t.item_type), min_size=t.min_length or 0, max_size=min(3, t.max_length or 3)
+        )
+    if isinstance(t, mi.TupleType):
+        return st.tuples(*(strategy_for(x) for x in t.item_types))
     if isinstance(t, mi.DictType):
         return st.dictionaries(strategy_for(t.key_type), strategy_for(t.value_type), max_size=3)
     raise AssertionError(f"add a strategy for {t!r} to tests/test_messages.py")
@@ -111,6 +115,8 @@ def minimal(t: mi.Type):
             return value
     if isinstance(t, mi.ListType):
         return [minimal(t.item_type)]
+    if isinstance(t, mi.TupleType):
+        return [minimal(x) for x in t.item_types]
     if isinstance(t, mi.DictType):
         return {minimal(t.key_type): minimal(t.value_type)}
     raise AssertionError(f"add a value for {t!r} to tests/test_messages.py")

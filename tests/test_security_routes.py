@@ -36,6 +36,7 @@ from crowdtrain.protocol.messages import (
     JoinRequest,
     LeaveRequest,
     ReadyRequest,
+    SpotCheckVerdict,
     StateDeclare,
     StateVersion,
     encode,
@@ -389,6 +390,11 @@ TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         ),
     ),
     ("POST", "/api/v1/runs/{run_id}/leave"): signed_route("leave", lambda m: LeaveRequest(peer_id=m.peer_id)),
+    # (the valid verdict is refused 409: no check was drawn for it; what matters is that it passed the gate)
+    ("POST", "/api/v1/runs/{run_id}/spotcheck"): signed_route(
+        "spotcheck",
+        lambda m: SpotCheckVerdict(peer_id=m.peer_id, step=0, suspect="0" * 16, outcome="mismatch"),
+    ),
 }
 
 
@@ -443,6 +449,24 @@ def state_attack(
     return attack
 
 
+def spot_attack(
+    *,
+    who: str = "c",
+    cred: Callable[[World, Member], Credential] = lambda w, m: m.credential,
+    sign_key: Callable[[World, Member], SigningKey] = lambda w, m: m.key,
+    signed_step: int = 3,
+    stale: bool = False,
+    headers_off: bool = False,
+) -> Attack:
+    async def attack(w: World) -> tuple[int, str]:
+        m = w.stranger if who == "stranger" else w.members[who]
+        make = stale_headers if stale else sign_headers
+        headers = {} if headers_off else make(sign_key(w, m), cred(w, m), "spotcheck", signed_step)
+        return await call(w, "GET", f"{w.peer_url}/v1/spotcheck/3", headers)
+
+    return attack
+
+
 def peer_cases(make: Callable[..., Attack], **kw: Any) -> dict[str, tuple[int, Attack]]:
     return {
         "no authentication headers": (401, make(headers_off=True, **kw)),
@@ -475,6 +499,11 @@ PEER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         "signature for another state replayed": (401, state_attack("", signed_hash="cd" * 32)),
         "signature for another range replayed": (401, state_attack("", signed_field="bytes=100-199")),
         "valid": (0, state_attack("")),
+    },
+    ("GET", "/v1/spotcheck/{step}"): {
+        **peer_cases(spot_attack),
+        "signature for another step replayed": (401, spot_attack(signed_step=2)),
+        "valid": (0, spot_attack()),
     },
 }
 

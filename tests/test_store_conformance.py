@@ -133,6 +133,23 @@ def test_the_credit_ledger_adds_up_each_key_s_averaged_samples_and_steps_with_th
     assert store.credits(run.run_id) == [] and len(store.credits(other.run_id)) == 1
 
 
+def test_spot_checks_count_verified_and_rejected_beside_the_samples(store):
+    run = spec()
+    a, b = "aa" * 32, "bb" * 32
+    store.add_run(run, torrent(), None)
+    store.close_step(run.run_id, record(0), [(a, 40)])
+    assert store.record_check(run.run_id, a, True).verified == 1
+    after = store.record_check(run.run_id, a, False)
+    assert (after.samples, after.steps, after.verified, after.rejected) == (40, 1, 1, 1)
+    # a key checked before it was ever credited (its first step's check) gets a record of its own
+    assert store.record_check(run.run_id, b, False).rejected == 1
+    store.close_step(run.run_id, record(1), [(b, 8)])
+    by_key = {c.public_key: (c.samples, c.verified, c.rejected) for c in store.credits(run.run_id)}
+    assert by_key == {a: (40, 1, 1), b: (8, 0, 1)}
+    store.record_check(run.run_id, b, False)
+    assert store.rejected_keys(run.run_id, 2) == {b} and store.rejected_keys(run.run_id, 1) == {a, b}
+
+
 def test_closing_a_run_keeps_its_first_time(store):
     run = spec()
     store.add_run(run, torrent(), None)
@@ -178,6 +195,7 @@ def test_a_durable_store_holds_everything_after_it_is_opened_again(name, tmp_pat
     store.add_run(run, torrent(), "ef" * 32, b"{}")
     store.set_meta("tracker_key", b"key")
     store.close_step(run.run_id, record(0), [("ab" * 32, 24)])
+    store.record_check(run.run_id, "ab" * 32, True)
     store.add_eval(run.run_id, EvalReport(step=1, loss=1.0, metrics={"acc": 1.0}, samples=100))
     store.close_run(run.run_id, 3000.0)
     store.close()
@@ -188,5 +206,26 @@ def test_a_durable_store_holds_everything_after_it_is_opened_again(name, tmp_pat
     assert again.history(run.run_id) == [record(0)]
     assert again.evals(run.run_id)[0].metrics == {"acc": 1.0}
     assert again.tokenizer(run.run_id) == b"{}"
-    assert [(c.public_key, c.samples, c.steps) for c in again.credits(run.run_id)] == [("ab" * 32, 24, 1)]
+    assert [(c.public_key, c.samples, c.steps, c.verified) for c in again.credits(run.run_id)] == [
+        ("ab" * 32, 24, 1, 1)
+    ]
     again.close()
+
+
+def test_a_database_of_an_earlier_version_gains_the_spot_check_counts(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE credits (run_id TEXT NOT NULL, public_key TEXT NOT NULL, samples INTEGER NOT NULL,"
+        " steps INTEGER NOT NULL, last_step INTEGER NOT NULL, PRIMARY KEY (run_id, public_key))"
+    )
+    db.execute("INSERT INTO credits VALUES ('r', ?, 24, 1, 0)", ("ab" * 32,))
+    db.commit()
+    db.close()
+    store = Store(str(path))
+    [credit] = store.credits("r")
+    assert (credit.samples, credit.verified, credit.rejected) == (24, 0, 0)
+    assert store.record_check("r", "ab" * 32, False).rejected == 1
+    store.close()

@@ -80,6 +80,7 @@ from crowdtrain.tracker.ledger import Ledger, Share
 from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.reach import Reach
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
+from crowdtrain.tracker.spotchecks import SpotChecks
 from crowdtrain.tracker.store import RunStore
 
 log = logging.getLogger("crowdtrain.tracker")
@@ -157,6 +158,7 @@ class RunState:
         self.signer = signer
         self.ledger = Ledger.of(spec, global_step)
         self.rounds = Rounds()
+        self.checks = SpotChecks(spec, store)
         self.state_donors = Donors(self.run_id, self.rounds)
         self.peers: dict[str, Peer] = {}
         self.opened_at = time.time()
@@ -262,7 +264,7 @@ class RunState:
         return len(stale)
 
     def heartbeat(self, peer: Peer, hb: Heartbeat) -> HeartbeatReply:
-        """Take a heartbeat (its evaluation checked by :meth:`eval_refusal` first) and answer it."""
+        """Take a heartbeat (its evaluation checked by :func:`eval_refusal` first) and answer it."""
         now = time.monotonic()
         free = self.ledger.free
         share = self.ledger.report(
@@ -286,19 +288,6 @@ class RunState:
             peer.evaluated = hb.eval.step
             self.store.add_eval(self.run_id, hb.eval)
         return _heartbeat_reply(self, peer, share)
-
-    def eval_refusal(self, report: EvalReport) -> str | None:
-        """Why a held-out evaluation is refused (None: it is a report of a step the run has taken and its
-        spec evaluates, with finite numbers)."""
-        every = self.spec.eval.every
-        if not every or report.step % every or not 0 < report.step <= self.global_step:
-            return (
-                f"an evaluation of step {report.step} is not one this run asks for (every {every} steps, "
-                f"up to step {self.global_step})"
-            )
-        if not all(math.isfinite(v) for v in [report.loss, *report.metrics.values()]):
-            return "an evaluation's loss and metrics must be finite numbers"
-        return None
 
     def freed_now(self, before: int) -> None:
         """More samples of the open step are free than ``before``: the step watches answer (wait_close)."""
@@ -421,6 +410,7 @@ class RunState:
         credits = [(self.peers[c.peer_id].public_key, c.weight) for c in candidates]
         self.store.close_step(self.run_id, record, credits)
         self.rounds.add(step, assignments)
+        self.checks.draw(step, assignments, self.peers, self.ledger.origins.by_peer)
         self._advance(candidates, now)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in phases[0]])
@@ -514,6 +504,7 @@ class RunState:
             assignment=mine[0],
             later_phases=mine[1:],
             next_allotment=self.ledger.next_allotment(peer_id, step),
+            spot_check=self.checks.of(step, peer_id),
         )
 
     # ------------------------------------------------------------ state donors
@@ -538,6 +529,20 @@ class RunState:
     def refusal(self) -> str | None:
         """The sentence a volunteer's request gets once its admin closed the run (None while it is open)."""
         return self.closed
+
+
+def eval_refusal(run: RunState, report: EvalReport) -> str | None:
+    """Why a held-out evaluation is refused (None: it is a report of a step the run has taken and its spec
+    evaluates, with finite numbers)."""
+    every = run.spec.eval.every
+    if not every or report.step % every or not 0 < report.step <= run.global_step:
+        return (
+            f"an evaluation of step {report.step} is not one this run asks for (every {every} steps, "
+            f"up to step {run.global_step})"
+        )
+    if not all(math.isfinite(v) for v in [report.loss, *report.metrics.values()]):
+        return "an evaluation's loss and metrics must be finite numbers"
+    return None
 
 
 def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:

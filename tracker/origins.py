@@ -12,6 +12,8 @@ stand for separate hosts).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from crowdtrain.protocol.addresses import Origin
 
 SUBNET_FACTOR = 8  # identities of a run per /24 (/48): this many times those per address
@@ -56,6 +58,11 @@ class Origins:
                 here.discard(peer_id)
                 if not here:
                     del self._at[key]
+
+    @property
+    def by_peer(self) -> Mapping[str, Origin]:
+        """Each live peer's origin (a peer of this machine has none)."""
+        return self._of
 
     def siblings(self, peer_id: str) -> tuple[str, ...]:
         """The other live peers counted at ``peer_id``'s address (none for this machine's own)."""

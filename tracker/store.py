@@ -42,11 +42,22 @@ CREATE TABLE IF NOT EXISTS steps (
     loss REAL, PRIMARY KEY (run_id, step));
 CREATE TABLE IF NOT EXISTS credits (
     run_id TEXT NOT NULL, public_key TEXT NOT NULL, samples INTEGER NOT NULL, steps INTEGER NOT NULL,
-    last_step INTEGER NOT NULL, PRIMARY KEY (run_id, public_key));
+    last_step INTEGER NOT NULL, verified INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (run_id, public_key));
 CREATE TABLE IF NOT EXISTS evals (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL NOT NULL, metrics TEXT NOT NULL,
     reports INTEGER NOT NULL, PRIMARY KEY (run_id, step));
 """
+
+
+_CREDIT = "public_key, samples, steps, last_step, verified, rejected"
+
+
+def _credit(row: Sequence) -> CreditRecord:
+    key, samples, steps, last, verified, rejected = row
+    return CreditRecord(
+        public_key=key, samples=samples, steps=steps, last_step=last, verified=verified, rejected=rejected
+    )
 
 
 @dataclass(slots=True)
@@ -105,6 +116,15 @@ class RunStore(Protocol):
         """The credit ledger's ``limit`` leaders: most samples first."""
         ...
 
+    def record_check(self, run_id: str, public_key: str, passed: bool) -> CreditRecord:
+        """Count a spot-check of the identity's contributions (passed: ``verified``, else ``rejected``) and
+        return its record."""
+        ...
+
+    def rejected_keys(self, run_id: str, at_least: int) -> set[str]:
+        """The keys of the run with at least ``at_least`` rejected spot-checks."""
+        ...
+
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
         """The newest ``limit`` closed steps, newest first."""
         ...
@@ -136,6 +156,10 @@ class Store:
             self._db.execute("ALTER TABLE runs ADD COLUMN tokenizer BLOB")
         if "loss" not in {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}:
             self._db.execute("ALTER TABLE steps ADD COLUMN loss REAL")
+        credit_columns = {row[1] for row in self._db.execute("PRAGMA table_info(credits)")}
+        for column in ("verified", "rejected"):  # (spot-checks came later)
+            if column not in credit_columns:
+                self._db.execute(f"ALTER TABLE credits ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self._db.close()
@@ -243,11 +267,31 @@ class Store:
 
     def credits(self, run_id: str, limit: int = 20) -> list[CreditRecord]:
         rows = self._db.execute(
-            "SELECT public_key, samples, steps, last_step FROM credits WHERE run_id = ?"
+            f"SELECT {_CREDIT} FROM credits WHERE run_id = ?"
             " ORDER BY samples DESC, steps DESC, public_key LIMIT ?",
             (run_id, limit),
         ).fetchall()
-        return [CreditRecord(public_key=k, samples=n, steps=s, last_step=last) for k, n, s, last in rows]
+        return [_credit(row) for row in rows]
+
+    def record_check(self, run_id: str, public_key: str, passed: bool) -> CreditRecord:
+        column = "verified" if passed else "rejected"
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute(
+                f"INSERT INTO credits (run_id, public_key, samples, steps, last_step, {column})"
+                f" VALUES (?, ?, 0, 0, 0, 1) ON CONFLICT (run_id, public_key) DO UPDATE SET {column} = {column} + 1",
+                (run_id, public_key),
+            )
+            row = self._db.execute(
+                f"SELECT {_CREDIT} FROM credits WHERE run_id = ? AND public_key = ?", (run_id, public_key)
+            ).fetchone()
+        return _credit(row)
+
+    def rejected_keys(self, run_id: str, at_least: int) -> set[str]:
+        rows = self._db.execute(
+            "SELECT public_key FROM credits WHERE run_id = ? AND rejected >= ?", (run_id, at_least)
+        ).fetchall()
+        return {key for (key,) in rows}
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
         rows = self._db.execute(

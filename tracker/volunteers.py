@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -22,14 +23,16 @@ from crowdtrain.protocol.messages import (
     JoinResponse,
     LeaveRequest,
     ReadyRequest,
+    SpotCheckVerdict,
     StateDeclare,
     decode,
 )
-from crowdtrain.tracker.collab import Peer, RunState
+from crowdtrain.tracker.collab import Peer, RunState, eval_refusal
 from crowdtrain.tracker.donors import StateRefused
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
+from crowdtrain.tracker.spotchecks import VerdictRefused
 
 if TYPE_CHECKING:
     from crowdtrain.tracker.server import Tracker
@@ -88,6 +91,10 @@ class Volunteers:
         msg = decode(body, kind, self.tracker.limits)
         if msg.peer_id != credential.peer_id:
             raise AuthError(f"credential is for peer {credential.peer_id}, not {msg.peer_id}")
+        barred = run.checks.refusal(credential.public_key)
+        if barred is not None and kind is not LeaveRequest:
+            run.remove(msg.peer_id)
+            raise ApiError(410, barred)
         return run, msg, credential.public_key
 
     @staticmethod
@@ -123,6 +130,9 @@ class Volunteers:
             raise ApiError(429, "too many joins from your address; wait a few seconds and try again")
         msg = decode(await self.tracker.body(request), JoinRequest, self.tracker.limits)
         self._check_join(record, msg)
+        barred = run.checks.refusal(msg.public_key)
+        if barred is not None:
+            raise ApiError(410, barred)
         if run.full(self.config.max_peers_per_run):
             raise self._full(run)
         origin = self._origin(run, request)
@@ -155,7 +165,7 @@ class Volunteers:
         if peer is None:
             raise self._full(run)
         if hb.eval is not None:  # (before anything of the heartbeat is taken)
-            refusal = run.eval_refusal(hb.eval)
+            refusal = eval_refusal(run, hb.eval)
             if refusal is not None:
                 raise ApiError(400, refusal)
         self.tracker.checker.update(
@@ -183,6 +193,22 @@ class Volunteers:
             run.declare_state(peer, [msg.state, *msg.older])
         except StateRefused as exc:
             raise ApiError(exc.status, str(exc)) from None
+        return web.Response(status=204)
+
+    async def spot_check(self, request: web.Request) -> web.Response:
+        """A checker's verdict on the contribution it was drawn to recompute (tracker/spotchecks.py)."""
+        run, msg, public_key = await self._signed(request, SpotCheckVerdict)
+        self._known(run, msg.peer_id)
+        where = origin_of(request.remote)
+        accuser = where.address if where is not None else f"key {public_key}"
+        try:
+            barred = run.checks.verdict(msg, public_key, accuser, run.run_id)
+        except VerdictRefused as exc:
+            raise ApiError(409, str(exc)) from None
+        if barred is not None:  # its peers go: their allotments are freed, they weigh nothing from now on
+            for peer in [p for p in run.peers.values() if p.public_key == barred]:
+                run.remove(peer.peer_id)
+            run.maybe_form(time.time())
         return web.Response(status=204)
 
     async def donors(self, request: web.Request) -> web.Response:

@@ -245,9 +245,8 @@ class Training:
         loss, n = await asyncio.to_thread(trainer.accumulate, batch.x, batch.y)
         now = time.monotonic()
         self.meter.computed(n, loss, started, now)
-        if run.me.record is not None and not self.catchup.active:
-            toward = run.pos.step + (self.rounds.early is not None)  # computed ahead: for the next step
-            run.me.record(ev.BatchComputed(step=toward, provenance=tuple(batch.provenance)))
+        if not self.catchup.active:  # (computed on parameters that are not the run's: not the run's samples)
+            self.rounds.computed(batch.provenance, loss)
         self._micro_batches += 1
         if now - self._last_report >= LOCAL_REPORT_S:
             self._last_report = now
@@ -357,6 +356,7 @@ class Training:
         self.link.cancel_ready()
         dropped = self.run.trainer.samples + (early.weight if early else 0)
         self.run.trainer.reset_accumulation()
+        self.run.averager.samples.dropped()
         self.meter.drop_step()
         return dropped
 
@@ -397,6 +397,7 @@ class Training:
         rnd = Round(
             step, group.phases, taken.weight, catching_up, taken.compute_s, taken.loss, time.monotonic()
         )
+        rnd.check = group.check
         if run.delay:
             pos.step = step + 1
             self.rounds.start(rnd, taken.grad)

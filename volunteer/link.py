@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import AveragingError, TrackerError
-from crowdtrain.protocol.messages import GroupAssignment, Heartbeat, HeartbeatReply, ReadyReply, ReadyRequest
+from crowdtrain.protocol.messages import (
+    GroupAssignment,
+    Heartbeat,
+    HeartbeatReply,
+    ReadyReply,
+    ReadyRequest,
+    SpotCheck,
+)
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.joined import JoinedRun
 
@@ -77,6 +84,7 @@ class Group:
     status: str
     phases: list[GroupAssignment]
     global_step: int
+    check: SpotCheck | None = None  # a member's gradient of this step to recompute (tracker/spotchecks.py)
 
 
 class TrackerLink:
@@ -315,7 +323,7 @@ class TrackerLink:
                     raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
             if reply.next_allotment is not None and reply.global_step == step + 1:
                 self.allotment.heard(step + 1, reply.next_allotment)
-            return Group("group", phases, reply.global_step)
+            return Group("group", phases, reply.global_step, reply.spot_check)
         if reply.status == "open":
             # no reachable peer was ready: nothing was averaged; wait for a fresh view of the step
             self.news = None

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from crowdtrain.protocol.errors import AveragingError
-from crowdtrain.protocol.messages import GroupAssignment
+from crowdtrain.protocol.messages import GroupAssignment, SpotCheck
+from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import part_bounds
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
+from crowdtrain.volunteer.spotcheck import Checker
 from crowdtrain.volunteer.trainer import all_finite
 
 
@@ -52,6 +54,7 @@ class Round:
     mean: np.ndarray | None = None  # the averaged gradient (None: the round failed)
     params: np.ndarray | None = None  # averaged parameters, when the round averages them
     error: str | None = None  # why it failed as a whole
+    check: SpotCheck | None = None  # a member's gradient of this step this peer recomputes (spot-check)
 
     @property
     def group_samples(self) -> int:
@@ -83,6 +86,7 @@ class Rounds:
         self.early: Taken | None = None  # delay 1: this step's gradient, taken once its share was computed
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         self._mean_bufs: list[np.ndarray | None] = [None, None]  # the mean lands here, phase by phase
+        self.checker = Checker(run)
 
     # ------------------------------------------------------------------ the round in the background
 
@@ -106,6 +110,16 @@ class Rounds:
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
+        self.checker.cancel()
+
+    def computed(self, provenance: list[tuple[int, int]], loss: float) -> None:
+        """A micro-batch was accumulated: its samples are kept for spot-checks (and given to the tests'
+        ``record``), by the step its gradient goes to (computing ahead: the next one)."""
+        run = self.run
+        toward = run.pos.step + (self.early is not None)
+        run.averager.samples.computed(toward, provenance, loss)
+        if run.me.record is not None:
+            run.me.record(ev.BatchComputed(step=toward, provenance=tuple(provenance)))
 
     # ------------------------------------------------------------------ one round
 
@@ -136,7 +150,11 @@ class Rounds:
 
     async def average(self, rnd: Round, grad: np.ndarray) -> Round:
         """All-reduce the step's gradient over its phases (and, with delay 1 on an averaging step, the
-        parameters the gradient was computed on)."""
+        parameters the gradient was computed on). A spot-check drawn for this peer (delay 0: the model holds
+        the step's parameters until the average is applied) starts once the round is over."""
+        check = rnd.check if rnd.phases and not self.run.delay and not rnd.catching_up else None
+        if check is not None:
+            self.checker.wants(check, rnd.phases[0])
         try:
             # The mean lands in buffers reused every step (the trainer copies it into .grad), except while
             # catching up: those averages are kept for the replay.
@@ -144,6 +162,9 @@ class Rounds:
         except AveragingError as exc:
             rnd.error = str(exc)
             return rnd
+        finally:
+            if check is not None:
+                self.checker.start(check, rnd.phases[0])
         if failed:
             self.run.note(
                 logging.WARNING,

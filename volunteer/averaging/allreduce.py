@@ -68,6 +68,7 @@ from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder
 from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
+from crowdtrain.volunteer.spotcheck import SampleLog
 
 
 class Averager:
@@ -102,6 +103,11 @@ class Averager:
             coder=self._coder,
         )
         self.sender = Sender(key=key, credential=credential, config=self.config, coder=self._coder)
+        # spot-checks: the samples of this peer's own gradients, served to checkers; as a checker, the
+        # suspect wanted per round id, and its copy of my part kept (my part's bounds, the values)
+        self.samples = SampleLog(run_id, tracker_public_key)
+        self.wanted: dict[str, str] = {}
+        self.kept: dict[str, tuple[int, int, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -111,7 +117,7 @@ class Averager:
         return self.owner.upload_bps
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(ROUTE, self.owner.handle)]
+        return [web.post(ROUTE, self.owner.handle), *self.samples.routes()]
 
     async def close(self) -> None:
         await self.sender.close()
@@ -145,6 +151,8 @@ class Averager:
             raise
         output = rnd.output
         assert output is not None
+        if rnd.reducer is not None and tag == "grad":  # a spot-check of a member's copy of my part
+            rnd.reducer.keep = self.wanted.pop(assignment.round_id, None)
         failed: dict[int, str] = {}
         await self.owner.open(rnd)
         try:
@@ -156,6 +164,8 @@ class Averager:
                     if member.part >= 0 and member.part != rnd.my_part:
                         tg.create_task(self.sender.exchange(rnd, member, vector, weight, tag, output, failed))
             if rnd.reducer is not None:  # every read into them is over and the part is reduced
+                if rnd.reducer.kept is not None:
+                    self.kept[assignment.round_id] = (*rnd.bounds[rnd.my_part], rnd.reducer.kept)
                 self.owner.give_back(rnd.reducer)
         finally:
             self.owner.retire(rnd)

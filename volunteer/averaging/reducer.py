@@ -78,6 +78,10 @@ class PartReducer:
     outcome: PartOutcome | None = None
     more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
     complete: asyncio.Event = field(default_factory=asyncio.Event)  # every frame is in, or never will be
+    keep: str | None = (
+        None  # a spot-check's suspect: its copy is kept (``kept``, float32) when the part closes
+    )
+    kept: np.ndarray | None = None
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
@@ -112,6 +116,8 @@ class PartReducer:
         """Close the part (later copies are refused) and decide its outcome; returns the terms of the mean,
         to be reduced into ``out`` slice by slice (empty when nothing with a weight arrived)."""
         self.closed = True
+        if self.keep is not None:  # (before the mean scales the copies in place)
+            self.kept = self.copy_of(self.keep)
         terms, clipped, reason = self.plan()  # every norm is known: clipping is decided before any slice
         done = set(self.contributions) | set(self.rejected)
         self.outcome = PartOutcome(
@@ -125,6 +131,16 @@ class PartReducer:
         )
         self.done.set()
         return terms
+
+    def copy_of(self, peer_id: str) -> np.ndarray | None:
+        """A member's copy of the part as it arrived, decoded to float32 (None: none with values came)."""
+        c = self.contributions.get(peer_id)
+        if c is None or c.values is None:
+            return None
+        if isinstance(c.values, KeptPart):
+            kept, n = c.values, c.values.length
+            return np.concatenate([kept.values(a, min(a + kept.step, n)) for a in range(0, n, kept.step)])
+        return np.array(c.values, dtype=np.float32, copy=True)
 
     def abandon(self, reason: str) -> None:
         """End the part now, if its outcome is not decided yet, as failed: waiting senders are answered."""

@@ -1,0 +1,185 @@
+"""Spot-checks (issue 29): one member's gradient recomputed by another, and what a mismatch costs.
+
+The rules (docs/security.md, "Spot-checks"):
+
+* When a step's round forms, each group of its first phase gets one check with probability
+  ``averaging.spot_checks`` (every-step mode with delay 0 and a codec that keeps every value: the checker must
+  hold the step's parameters and the suspect's whole copy of its part). The *suspect* is a member with a
+  weight: one with a rejection first (to confirm or clear it), then the one verified least (a new identity
+  is on probation), ties by lot. The *checker* is a part owner other than the suspect, from another
+  address if there is one, and never one that already rejected this suspect. Only the checker is told, in
+  its ready reply: the suspect learns of it when asked for its samples, after its copy was sent.
+* The checker asks the suspect for the samples of its gradient (``GET /v1/spotcheck/{step}``), recomputes
+  the gradient at the step's parameters and compares its own part of it with the suspect's copy
+  (``crowdtrain.volunteer.spotcheck``), then reports ``match``, ``mismatch``, ``unanswered`` (the suspect
+  did not answer) or ``unverifiable`` (the checker could not recompute: a chunk it does not hold yet).
+* ``match``: the suspect's key is ``verified`` once more. ``mismatch`` or ``unanswered`` from an accuser
+  that had not rejected this key before: ``rejected`` once more. An accuser is a checker's address, or its
+  key when it runs on the tracker's machine (a demo's volunteers). At :data:`REJECTIONS_TO_BAR` rejections
+  the key is barred from the run: its peer is removed (its allotment freed, its weight 0 from then on) and
+  every request it makes is answered 410 with :meth:`SpotChecks.refusal`'s sentence. ``unverifiable``
+  counts for nothing. The counts are the credit ledger's (durable); so a barred key stays barred after a
+  restart.
+* A verdict is taken once, from the checker the tracker drew for that step and suspect; anything else is
+  refused.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from crowdtrain.protocol.addresses import Origin
+from crowdtrain.protocol.messages import GroupAssignment, RunSpec, SpotCheck, SpotCheckVerdict
+from crowdtrain.tracker.store import RunStore
+
+if TYPE_CHECKING:
+    from crowdtrain.tracker.collab import Peer
+
+REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run
+CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
+KEEP_CHECKS = 64  # drawn checks awaiting a verdict, at most (the oldest is forgotten)
+
+
+class VerdictRefused(Exception):
+    """A verdict the tracker does not take (answered 409 with this sentence)."""
+
+
+@dataclass(slots=True)
+class _Drawn:
+    checker: str  # peer id
+    checker_key: str
+    suspect_key: str
+
+
+@dataclass(slots=True)
+class SpotChecks:
+    """One run's spot-checks: who checks whom at which step, the verdicts, the barred keys."""
+
+    spec: RunSpec
+    store: RunStore
+    rng: random.Random = field(default_factory=random.SystemRandom)
+    _drawn: OrderedDict[tuple[int, str], _Drawn] = field(default_factory=OrderedDict)  # (step, suspect)
+    _for_checker: dict[tuple[int, str], SpotCheck] = field(default_factory=dict)  # (step, checker)
+    _verified: dict[str, int] = field(default_factory=dict)  # key -> checks passed (since start)
+    _accusers: dict[str, set[str]] = field(default_factory=dict)  # key -> who rejected it
+    _barred: set[str] | None = None  # keys at REJECTIONS_TO_BAR rejections (read from the store once)
+
+    @property
+    def enabled(self) -> bool:
+        avg = self.spec.averaging
+        return avg.spot_checks > 0 and not avg.local and avg.delay == 0 and avg.codec in CHECKABLE_CODECS
+
+    # ------------------------------------------------------------ drawing
+
+    def draw(
+        self,
+        step: int,
+        assignments: Mapping[str, list[GroupAssignment]],
+        peers: Mapping[str, Peer],
+        origin: Mapping[str, Origin | None],
+    ) -> None:
+        """Draw the checks of ``step``'s groups (phase 0), by the module's rules."""
+        if not self.enabled:
+            return
+        groups = {a[0].round_id: a[0] for a in assignments.values() if a and a[0].phase == 0}
+        for group in groups.values():
+            if self.rng.random() >= self.spec.averaging.spot_checks:
+                continue
+            pair = self._pick(group, peers, origin)
+            if pair is not None:
+                suspect, checker = pair
+                self._remember(step, suspect, checker, peers)
+
+    def _pick(
+        self, group: GroupAssignment, peers: Mapping[str, Peer], origin: Mapping[str, Origin | None]
+    ) -> tuple[str, str] | None:
+        members = [m for m in group.members if m.peer_id in peers]
+        # (a member in client mode cannot be asked for its samples: it is not checked, docs/security.md)
+        weighted = [m.peer_id for m in members if m.weight > 0 and m.address is not None]
+        self.rng.shuffle(weighted)
+
+        def doubt(pid: str) -> tuple[int, int]:
+            key = peers[pid].public_key
+            return (-len(self._accusers.get(key, ())), self._verified.get(key, 0))
+
+        for suspect in sorted(weighted, key=doubt):
+            key = peers[suspect].public_key
+            owners = [
+                m.peer_id
+                for m in members
+                if m.part >= 0
+                and m.peer_id != suspect
+                and self._accuser(m.peer_id, peers, origin) not in self._accusers.get(key, ())
+            ]
+            if not owners:
+                continue
+            apart = [o for o in owners if origin.get(o) is None or origin.get(o) != origin.get(suspect)]
+            return suspect, self.rng.choice(apart or owners)
+        return None
+
+    def _remember(self, step: int, suspect: str, checker: str, peers: Mapping[str, Peer]) -> None:
+        self._drawn[(step, suspect)] = _Drawn(checker, peers[checker].public_key, peers[suspect].public_key)
+        self._for_checker[(step, checker)] = SpotCheck(step=step, suspect=suspect)
+        while len(self._drawn) > KEEP_CHECKS:
+            (old_step, _), old = self._drawn.popitem(last=False)
+            self._for_checker.pop((old_step, old.checker), None)
+
+    def of(self, step: int, peer_id: str) -> SpotCheck | None:
+        """The check ``peer_id`` was drawn to make at ``step``, if any."""
+        return self._for_checker.get((step, peer_id))
+
+    # ------------------------------------------------------------ verdicts
+
+    @staticmethod
+    def _accuser(peer_id: str, peers: Mapping[str, Peer], origin: Mapping[str, Origin | None]) -> str:
+        where = origin.get(peer_id)
+        return where.address if where is not None else f"key {peers[peer_id].public_key}"
+
+    def verdict(self, verdict: SpotCheckVerdict, checker_key: str, accuser: str, run_id: str) -> str | None:
+        """Take a checker's verdict (raises :class:`VerdictRefused` when it was not drawn so); returns the
+        suspect's key when this verdict barred it."""
+        drawn = self._drawn.get((verdict.step, verdict.suspect))
+        if drawn is None or drawn.checker != verdict.peer_id or drawn.checker_key != checker_key:
+            raise VerdictRefused(
+                f"peer {verdict.peer_id} was not drawn to check {verdict.suspect} at step {verdict.step} "
+                "(or its verdict was already taken)"
+            )
+        del self._drawn[(verdict.step, verdict.suspect)]
+        self._for_checker.pop((verdict.step, verdict.peer_id), None)
+        key = drawn.suspect_key
+        if verdict.outcome == "match":
+            self._verified[key] = self._verified.get(key, 0) + 1
+            self.store.record_check(run_id, key, True)
+            return None
+        if verdict.outcome == "unverifiable":
+            return None
+        accusers = self._accusers.setdefault(key, set())
+        if accuser in accusers:
+            return None
+        accusers.add(accuser)
+        record = self.store.record_check(run_id, key, False)
+        if record.rejected >= REJECTIONS_TO_BAR:
+            self.barred_keys().add(key)
+            return key
+        return None
+
+    # ------------------------------------------------------------ barred keys
+
+    def barred_keys(self) -> set[str]:
+        if self._barred is None:
+            self._barred = self.store.rejected_keys(self.spec.run_id, REJECTIONS_TO_BAR)
+        return self._barred
+
+    def refusal(self, key: str) -> str | None:
+        """The sentence a barred key's requests get (None: it is not barred)."""
+        if key not in self.barred_keys():
+            return None
+        return (
+            f"run {self.spec.run_id} takes nothing more from this volunteer's key: its gradients failed "
+            f"{REJECTIONS_TO_BAR} spot-checks by other volunteers (recomputed from the samples it named, they "
+            "did not match what it sent); see docs/security.md"
+        )

@@ -1,0 +1,271 @@
+"""Spot-checks, the volunteer's side (issue 29; who checks whom and what a verdict costs is the tracker's:
+:mod:`crowdtrain.tracker.spotchecks`).
+
+As a *suspect*, every volunteer keeps the samples of its gradient of each of its last :data:`KEEP_STEPS`
+steps (each micro-batch's ``(chunk index, offset)`` pairs, in order, and the sum of their losses × n) and
+serves them at ``GET /v1/spotcheck/{step}`` to any member of the run (signed, purpose ``spotcheck``).
+
+As a *checker* (the tracker names it in its ready reply, with the suspect), a volunteer keeps the suspect's
+copy of the part it owns in the step's first phase (the averager's reducer, before the mean scales it),
+takes a copy of its model as it was for the step (every-step mode with delay 0: the parameters every member
+computed its gradient at), asks the suspect for its samples, rebuilds its micro-batches from the data set,
+recomputes its gradient in a thread beside training and compares, over the values of its part that hold
+gradient (the buffers' values that follow the gradient in the vector depend on each member's own forward
+passes): ``match`` when ``‖copy − recomputed‖ ≤ GRAD_TOLERANCE × ‖recomputed‖`` and the losses agree within
+LOSS_TOLERANCE; ``mismatch`` otherwise; ``unanswered`` when the suspect does not answer (or answers
+nonsense); ``unverifiable`` when this peer cannot recompute it (a chunk it does not hold yet, a model with
+dropout). The verdict goes to the tracker.
+
+The tolerances: the copy went through the run's codec (int8: a relative error of about 0.5–1 %; none: 0)
+and the suspect may compute on another device (a GPU in bf16 against a CPU in fp32: about 1 %); a gradient
+of the same model on other samples is 50 % or more away, and at parameters a few steps old 10 % or more
+(``bench/spotchecks.py`` measures both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import aiohttp
+import numpy as np
+import torch
+from aiohttp import web
+
+from crowdtrain.datasets.sampler import Sampler
+from crowdtrain.protocol.aio import BodyTooLong, read_body
+from crowdtrain.protocol.errors import AuthError, CrowdtrainError, ProtocolError
+from crowdtrain.protocol.limits import Limits
+from crowdtrain.protocol.messages import (
+    MAX_CHECKED_SAMPLES,
+    ErrorBody,
+    GroupAssignment,
+    SpotCheck,
+    SpotCheckAnswer,
+    SpotCheckVerdict,
+    SpotOutcome,
+    decode,
+    encode,
+)
+from crowdtrain.protocol.peerauth import check_headers, sign_headers
+
+if TYPE_CHECKING:
+    from crowdtrain.volunteer.joined import JoinedRun
+    from crowdtrain.volunteer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+KEEP_STEPS = 8  # steps whose samples a volunteer keeps for checkers
+ROUTE = "/v1/spotcheck/{step}"
+PURPOSE = "spotcheck"
+GRAD_TOLERANCE = 0.2  # relative L2 distance between the copy and the recomputed gradient
+LOSS_TOLERANCE = 0.02  # relative distance between the losses
+ASK_TIMEOUT_S = 10.0
+ANSWER_LIMITS = Limits(max_json_bytes=32 * MAX_CHECKED_SAMPLES)
+
+
+class SampleLog:
+    """The suspect's side: the samples of its gradients of its last KEEP_STEPS steps, served to checkers."""
+
+    def __init__(self, run_id: str, tracker_public_key: str) -> None:
+        self.run_id = run_id
+        self.tracker_public_key = tracker_public_key
+        # step -> (micro-batches, Σ n × loss)
+        self._steps: collections.OrderedDict[int, tuple[list[list[tuple[int, int]]], float]] = (
+            collections.OrderedDict()
+        )
+
+    def computed(self, step: int, provenance: Sequence[tuple[int, int]], loss: float) -> None:
+        """A micro-batch accumulated toward ``step``: its samples, in order, and its mean loss."""
+        batches, total = self._steps.pop(step, ([], 0.0))
+        batches.append(list(provenance))
+        self._steps[step] = (batches, total + loss * len(provenance))
+        while len(self._steps) > KEEP_STEPS:
+            self._steps.popitem(last=False)
+
+    def dropped(self) -> None:
+        """The accumulation was dropped (a missed step, a catch-up): none of it will be averaged."""
+        self._steps.clear()
+
+    def answer(self, step: int) -> SpotCheckAnswer | None:
+        kept = self._steps.get(step)
+        if kept is None or sum(len(b) for b in kept[0]) > MAX_CHECKED_SAMPLES:
+            return None
+        return SpotCheckAnswer(step=step, batches=kept[0], loss_sum=kept[1])
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get(ROUTE, self._serve)]
+
+    async def _serve(self, request: web.Request) -> web.Response:
+        text = request.match_info["step"]
+        if not text.isdigit() or len(text) > 18:
+            return _error(404, f"{text[:40]!r} is not a step number")
+        try:
+            check_headers(request.headers, self.tracker_public_key, self.run_id, PURPOSE, int(text))
+        except AuthError as exc:
+            return _error(401, f"spot-check requests need a run member's signature: {exc}")
+        answer = self.answer(int(text))
+        if answer is None:
+            return _error(404, f"this peer keeps no samples of step {text} (it keeps its last {KEEP_STEPS})")
+        return web.Response(body=encode(answer), content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=encode(ErrorBody(error=message)), content_type="application/json")
+
+
+class Checker:
+    """The checker's side: recompute a suspect's gradient of a step and tell the tracker what it found."""
+
+    def __init__(self, run: JoinedRun) -> None:
+        self.run = run
+        self._model: torch.nn.Module | None = None  # a second copy of the model, made at the first check
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sampler: Sampler | None = None
+
+    def wants(self, check: SpotCheck, group: GroupAssignment) -> None:
+        """Before the round: keep the suspect's copy of my part of the step's first phase."""
+        self.run.averager.wanted[group.round_id] = check.suspect
+
+    def start(self, check: SpotCheck, group: GroupAssignment) -> None:
+        """After the round, before the step is applied: take the step's model and check in the background."""
+        kept = self.run.averager.kept.pop(group.round_id, None)
+        self.run.averager.wanted.pop(group.round_id, None)
+        address = next((m.address for m in group.members if m.peer_id == check.suspect), None)
+        why = (
+            "the suspect's copy of my part did not arrive"
+            if kept is None
+            else "an earlier check is still being computed"
+            if self._tasks
+            else "the suspect has no address to ask"
+            if address is None
+            else None
+        )
+        if why is not None:
+            self._spawn(self._report(check, "unverifiable", why))
+            return
+        assert kept is not None and address is not None
+        trainer = self.run.trainer
+        if self._model is None:
+            self._model = copy.deepcopy(trainer.model)
+        else:
+            with torch.no_grad():
+                for mine, theirs in zip(self._model.parameters(), trainer.model.parameters(), strict=True):
+                    mine.copy_(theirs)
+        self._spawn(self._check(check, address, self._model, kept))
+
+    def _spawn(self, job) -> None:
+        task = asyncio.get_running_loop().create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def _check(
+        self, check: SpotCheck, address: str, model: torch.nn.Module, kept: tuple[int, int, np.ndarray]
+    ) -> None:
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+            await self._report(
+                check, "unverifiable", "the model has dropout: its gradients are not reproducible"
+            )
+            return
+        answer = await self._ask(check, address)
+        if isinstance(answer, str):
+            await self._report(check, "unanswered", answer)
+            return
+        try:
+            outcome, detail = await asyncio.to_thread(self._compare, model, answer, kept)
+        except CrowdtrainError as exc:
+            await self._report(check, "unverifiable", str(exc)[:90])
+            return
+        await self._report(check, outcome, detail)
+
+    async def _ask(self, check: SpotCheck, address: str) -> SpotCheckAnswer | str:
+        """The suspect's samples of the step, or why they could not be had."""
+        headers = sign_headers(self.run.key, self.run.credential, PURPOSE, check.step)
+        timeout = aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                url = f"http://{address}/v1/spotcheck/{check.step}"
+                async with session.get(url, headers=headers) as resp:
+                    body = await read_body(resp.content, ANSWER_LIMITS.max_json_bytes, resp.content_length)
+                    if resp.status != 200:
+                        return f"answered {resp.status}"
+            answer = decode(body, SpotCheckAnswer, ANSWER_LIMITS)
+        except (aiohttp.ClientError, TimeoutError, OSError, BodyTooLong, ProtocolError) as exc:
+            return f"{type(exc).__name__}: {exc}"[:90]
+        if answer.step != check.step:
+            return f"answered for step {answer.step}"
+        return answer
+
+    def _compare(
+        self, model: torch.nn.Module, answer: SpotCheckAnswer, kept: tuple[int, int, np.ndarray]
+    ) -> tuple[SpotOutcome, str]:
+        """Recompute (in a thread) and compare; returns the outcome and its figures."""
+        run = self.run
+        if self._sampler is None:
+            cut = run.sample_cut()
+            self._sampler = Sampler(run.spec.dataset.manifest, run.config.data_dir, seed=0, **cut)
+        trainer: Trainer = run.trainer
+        grad, loss_sum = recompute(trainer, model, [self._sampler.rebuild(b) for b in answer.batches])
+        a, b, copy_values = kept
+        stop = min(b, trainer.param_numel)  # the gradient's values of my part (the buffers' follow)
+        if stop <= a:
+            return "unverifiable", "my part holds no gradient values"
+        mine, theirs = grad[a:stop], copy_values[: stop - a]
+        scale = float(np.linalg.norm(mine))
+        distance = (
+            float(np.linalg.norm(theirs - mine)) / scale if scale > 0 else float(np.linalg.norm(theirs))
+        )
+        loss_off = abs(answer.loss_sum - loss_sum) / max(abs(loss_sum), 1e-6)
+        detail = (
+            f"gradient {distance:.4f} apart (≤ {GRAD_TOLERANCE}), loss {loss_off:.4f} (≤ {LOSS_TOLERANCE})"
+        )
+        if math.isfinite(distance) and distance <= GRAD_TOLERANCE and loss_off <= LOSS_TOLERANCE:
+            return "match", detail
+        return "mismatch", detail
+
+    async def _report(self, check: SpotCheck, outcome: SpotOutcome, detail: str) -> None:
+        run = self.run
+        verdict = SpotCheckVerdict(
+            peer_id=run.peer_id, step=check.step, suspect=check.suspect, outcome=outcome, detail=detail[:100]
+        )
+        level = logging.WARNING if outcome == "mismatch" else logging.INFO
+        run.note(level, "spot-check of %s at step %d: %s (%s)", check.suspect, check.step, outcome, detail)
+        try:
+            await run.tracker.spot_check(run.config.run_id, verdict, run.key, run.credential)
+        except CrowdtrainError as exc:
+            run.note(logging.INFO, "could not report a spot-check to the tracker (%s)", exc)
+
+
+def recompute(trainer: Trainer, model: torch.nn.Module, batches: Sequence) -> tuple[np.ndarray, float]:
+    """The mean gradient (flat, the trainer's layout, gradient values only) of ``model`` over ``batches`` as
+    :meth:`Trainer.accumulate` computes it (each micro-batch's n × mean loss back-propagated), and Σ n × loss."""
+    named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda item: item[0])
+    for _, p in named:
+        p.grad = None
+    model.train()
+    total, samples = 0.0, 0
+    for batch in batches:
+        n = len(batch)
+        x = torch.from_numpy(np.ascontiguousarray(batch.x)).to(trainer.device)
+        y = torch.from_numpy(np.ascontiguousarray(batch.y)).to(trainer.device)
+        with trainer._autocast():
+            loss = trainer.recipe.loss(model, x, y)
+        (loss * n).backward()
+        total += float(loss.detach()) * n
+        samples += n
+    flat = torch.cat(
+        [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+            for _, p in named
+        ]
+    )
+    return (flat / max(samples, 1)).cpu().numpy(), total
