@@ -16,7 +16,7 @@ from crowdtrain.tracker.spotchecks import REJECTIONS_TO_BAR
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
-from tests.harness import published_run, until
+from tests.harness import published_run
 
 STEPS = 14
 GROUP = 4
