@@ -103,6 +103,10 @@ class Sampler:
             spans = np.array([self._span(i) for i in self._held], dtype=np.float64)
             self._weights = spans / spans.sum()
 
+    def offers(self, index: int, offset: int) -> bool:
+        """Whether sample ``(index, offset)`` is one of the data set's (held or not)."""
+        return 0 <= index < len(self.manifest.chunks) and 0 <= offset < self._span(index)
+
     # -------------------------------------------------------------- drawing
 
     def batch(self, n: int) -> Batch:

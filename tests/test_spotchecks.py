@@ -6,13 +6,19 @@ process, so every volunteer is "this machine": an accuser is a checker's key, tr
 from __future__ import annotations
 
 import asyncio
+import random
 
+import msgspec
 import numpy as np
 import pytest
 
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.tracker.spotchecks import REJECTIONS_TO_BAR
+from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMember, SpotCheckVerdict
+from crowdtrain.tracker.collab import Peer
+from crowdtrain.tracker.ledger import Share
+from crowdtrain.tracker.spotchecks import REJECTIONS_TO_BAR, SpotChecks, VerdictRefused
+from crowdtrain.tracker.store import Store
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
@@ -111,3 +117,143 @@ async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_o
         if isinstance(e, ev.LogLine) and "spot-check" in e.message and "mismatch" in e.message
     ]
     assert len(found) >= REJECTIONS_TO_BAR, found
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+
+
+def rules(tmp_path, **averaging) -> SpotChecks:
+    from tests.test_store_conformance import spec
+
+    run = spec()
+    run = msgspec.structs.replace(
+        run, averaging=AveragingSpec(**{"spot_checks": 1.0, "codec": "int8", **averaging})
+    )
+    store = Store(str(tmp_path / "tracker.sqlite3"))
+    return SpotChecks(run, store, rng=random.Random(3))
+
+
+def group(*members: tuple[str, int, bool]) -> tuple[dict[str, list[GroupAssignment]], dict[str, Peer]]:
+    """(peer id, weight, owns a part) → one phase-0 group and its peers (key = the id repeated)."""
+    listed, part = [], 0
+    for pid, weight, owner in members:
+        address = f"10.0.0.{len(listed) + 1}:9000" if owner else None
+        listed.append(
+            GroupMember(
+                peer_id=pid, address=address, public_key=pid * 4, weight=weight, part=part if owner else -1
+            )
+        )
+        part += owner
+    a = GroupAssignment(
+        run_id="r", round_id="g0", step=0, members=listed, parts=part, average_params=False, deadline=0.0,
+        seed=0, signature="",
+    )  # fmt: skip
+    peers = {pid: Peer(peer_id=pid, public_key=pid * 4, share=Share()) for pid, _, _ in members}
+    return {pid: [a] for pid, _, _ in members}, peers
+
+
+def drawn(checks: SpotChecks, step: int, ids) -> tuple[str, str]:
+    [(checker, check)] = [(c, x) for c in ids if (x := checks.of(step, c)) is not None]
+    return check.suspect, checker
+
+
+def test_the_suspect_is_a_weighted_member_with_an_address_checked_by_another_owner(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16, "c" * 16, "d" * 16]
+    assignments, peers = group((ids[0], 8, True), (ids[1], 0, True), (ids[2], 8, False), (ids[3], 8, True))
+    for step in range(20):
+        checks.draw(step, assignments, peers, {})
+        suspect, checker = drawn(checks, step, ids)
+        # b computed nothing, c is in client mode (no address to ask): neither is a suspect
+        assert suspect in (ids[0], ids[3]) and checker != suspect and checker != ids[2]
+    # where nothing can be checked (one owner, and it is the only weighted member), nothing is drawn
+    alone, alone_peers = group((ids[0], 8, True), (ids[2], 8, False))
+    checks.draw(99, alone, alone_peers, {})
+    assert checks.of(99, ids[0]) is None and checks.of(99, ids[2]) is None
+
+
+def test_two_accusers_bar_a_key_one_accuser_twice_does_not_and_the_bar_survives_a_restart(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16, "c" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    checks.draw(0, assignments, peers, {})
+    suspect, checker = drawn(checks, 0, ids)
+    key = suspect * 4
+
+    def say(step: int, checker: str, outcome: str, accuser: str) -> str | None:
+        msg = SpotCheckVerdict(peer_id=checker, step=step, suspect=suspect, outcome=outcome)
+        return checks.verdict(msg, checker * 4, accuser, "conformance-abc123")
+
+    with pytest.raises(VerdictRefused, match="was not drawn"):  # only the drawn checker is heard
+        say(0, next(p for p in ids if p not in (suspect, checker)), "mismatch", "elsewhere")
+    first = f"key {checker * 4}"  # (an accuser on this machine is its key; elsewhere its address)
+    assert say(0, checker, "mismatch", first) is None  # one rejection: not barred
+    with pytest.raises(VerdictRefused):  # a verdict is taken once
+        say(0, checker, "mismatch", first)
+    # the rejected suspect is checked first from now on, by an owner that has not accused it
+    checks.draw(1, assignments, peers, {})
+    again, second = drawn(checks, 1, ids)
+    assert again == suspect and second != checker
+    assert checks.refusal(key) is None
+    assert say(1, second, "mismatch", first) is None  # an accuser already counted: still one rejection
+    checks.draw(2, assignments, peers, {})
+    again, third = drawn(checks, 2, ids)
+    assert again == suspect
+    assert say(2, third, "mismatch", "host-2") == key  # a second accuser bars the key
+    assert "spot-checks" in (checks.refusal(key) or "")
+    restarted = SpotChecks(checks.spec, checks.store)
+    assert restarted.refusal(key) is not None and restarted.refusal(checker * 4) is None
+    [credit] = [c for c in checks.store.credits(checks.spec.run_id) if c.public_key == key]
+    assert (credit.verified, credit.rejected) == (0, 2)  # (the first accuser's second word was not)
+
+
+def test_a_match_verifies_and_unverifiable_counts_for_nothing(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    outcomes = ["match", "unverifiable", "match"]
+    for step, outcome in enumerate(outcomes):
+        checks.draw(step, assignments, peers, {})
+        suspect, checker = drawn(checks, step, ids)
+        msg = SpotCheckVerdict(peer_id=checker, step=step, suspect=suspect, outcome=outcome)
+        assert checks.verdict(msg, checker * 4, checker, "conformance-abc123") is None
+    by_key = {c.public_key: (c.verified, c.rejected) for c in checks.store.credits(checks.spec.run_id)}
+    assert sum(v for v, _ in by_key.values()) == 2 and all(r == 0 for _, r in by_key.values())
+
+
+@pytest.mark.parametrize(
+    "averaging",
+    [{"inner_steps": 10}, {"delay": 1}, {"codec": "sparse"}, {"codec": "int2"}, {"spot_checks": 0.0}],
+)
+def test_no_check_is_drawn_where_a_gradient_cannot_be_recomputed_or_checks_are_off(tmp_path, averaging):
+    checks = rules(tmp_path, **averaging)
+    ids = ["a" * 16, "b" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    checks.draw(0, assignments, peers, {})
+    assert all(checks.of(0, pid) is None for pid in ids)
+
+
+def test_unanswered_checks_in_a_row_count_as_one_rejection_and_a_match_resets_them(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16, "c" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    said: list[tuple[str, str | None]] = []
+
+    def check(step: int, outcome: str) -> str:
+        checks.draw(step, assignments, peers, {})
+        suspect, checker = drawn(checks, step, ids)
+        msg = SpotCheckVerdict(peer_id=checker, step=step, suspect=suspect, outcome=outcome)
+        said.append((suspect, checks.verdict(msg, checker * 4, f"key {checker * 4}", "conformance-abc123")))
+        return suspect
+
+    first = check(0, "unanswered")
+    # it is a suspect first from now on; two more unanswered in a row make one rejection
+    assert check(1, "unanswered") == first and check(2, "unanswered") == first
+    rejected = {c.public_key: c.rejected for c in checks.store.credits(checks.spec.run_id)}
+    assert rejected == {first * 4: 1}
+    # a match between unanswered ones starts the count again
+    assert check(3, "unanswered") == first and check(4, "match") == first
+    check(5, "unanswered")
+    check(6, "unanswered")
+    rejected = {c.public_key: c.rejected for c in checks.store.credits(checks.spec.run_id)}
+    assert rejected[first * 4] == 1 and all(barred is None for _, barred in said)

@@ -228,12 +228,15 @@ def test_status_shows_the_credit_ledger_and_a_backbone():
     status = RunStatus(
         run_id="r-1", name="run", global_step=3, samples=0, target=8, eta_s=None, peers_online=1,
         samples_per_s=0.0, peers=[backbone], recent_steps=[],
-        credits=[CreditRecord(public_key="ab" * 32, samples=1234, steps=3, last_step=2),
-                 CreditRecord(public_key="cd" * 32, samples=0, steps=3, last_step=2)],
+        credits=[CreditRecord(public_key="ab" * 32, samples=1234, steps=3, last_step=2, verified=2),
+                 CreditRecord(public_key="cd" * 32, samples=0, steps=3, last_step=2, rejected=1)],
     )  # fmt: skip
     lines = format_status(status).splitlines()
     assert any(line.endswith("backbone, reachable at 203.0.113.7:41234") for line in lines), lines
     assert any("2.5 MB/s" in line and "upload" not in line for line in lines), lines  # its measured uplink
-    start = lines.index("  credit ledger (samples of each volunteer key that entered the averages):")
-    assert lines[start + 2].split() == ["abababababababab…", "1,234", "3", "2"]
-    assert lines[start + 3].split() == ["cdcdcdcdcdcdcdcd…", "0", "3", "2"]
+    start = lines.index(
+        "  credit ledger (samples of each volunteer key that entered the averages; spot-checks):"
+    )
+    assert lines[start + 1].split()[-2:] == ["verified", "rejected"]
+    assert lines[start + 2].split() == ["abababababababab…", "1,234", "3", "2", "2", "0"]
+    assert lines[start + 3].split() == ["cdcdcdcdcdcdcdcd…", "0", "3", "2", "0", "1"]

@@ -13,8 +13,11 @@ The rules (docs/security.md, "Spot-checks"):
   the gradient at the step's parameters and compares its own part of it with the suspect's copy
   (``crowdtrain.volunteer.spotcheck``), then reports ``match``, ``mismatch``, ``unanswered`` (the suspect
   did not answer) or ``unverifiable`` (the checker could not recompute: a chunk it does not hold yet).
-* ``match``: the suspect's key is ``verified`` once more. ``mismatch`` or ``unanswered`` from an accuser
-  that had not rejected this key before: ``rejected`` once more. An accuser is a checker's address, or its
+* ``match``: the suspect's key is ``verified`` once more. ``mismatch`` from an accuser that had not
+  rejected this key before: ``rejected`` once more. ``unanswered`` (the suspect's peer server did not give
+  its samples: a refusal, or a network fault) makes it a suspect first again, and
+  :data:`UNANSWERED_TO_REJECT` of them in a row (no match between) count as one rejection by the accuser
+  of the last. An accuser is a checker's address, or its
   key when it runs on the tracker's machine (a demo's volunteers). At :data:`REJECTIONS_TO_BAR` rejections
   the key is barred from the run: its peer is removed (its allotment freed, its weight 0 from then on) and
   every request it makes is answered 410 with :meth:`SpotChecks.refusal`'s sentence. ``unverifiable``
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from crowdtrain.tracker.collab import Peer
 
 REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run
+UNANSWERED_TO_REJECT = 3  # unanswered checks in a row that count as a rejection
 CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
 KEEP_CHECKS = 64  # drawn checks awaiting a verdict, at most (the oldest is forgotten)
 
@@ -66,6 +70,7 @@ class SpotChecks:
     _for_checker: dict[tuple[int, str], SpotCheck] = field(default_factory=dict)  # (step, checker)
     _verified: dict[str, int] = field(default_factory=dict)  # key -> checks passed (since start)
     _accusers: dict[str, set[str]] = field(default_factory=dict)  # key -> who rejected it
+    _unanswered: dict[str, int] = field(default_factory=dict)  # key -> checks in a row it did not answer
     _barred: set[str] | None = None  # keys at REJECTIONS_TO_BAR rejections (read from the store once)
 
     @property
@@ -104,7 +109,8 @@ class SpotChecks:
 
         def doubt(pid: str) -> tuple[int, int]:
             key = peers[pid].public_key
-            return (-len(self._accusers.get(key, ())), self._verified.get(key, 0))
+            doubts = len(self._accusers.get(key, ())) + (self._unanswered.get(key, 0) > 0)
+            return (-doubts, self._verified.get(key, 0))
 
         for suspect in sorted(weighted, key=doubt):
             key = peers[suspect].public_key
@@ -153,10 +159,16 @@ class SpotChecks:
         key = drawn.suspect_key
         if verdict.outcome == "match":
             self._verified[key] = self._verified.get(key, 0) + 1
+            self._unanswered.pop(key, None)
             self.store.record_check(run_id, key, True)
             return None
         if verdict.outcome == "unverifiable":
             return None
+        if verdict.outcome == "unanswered":
+            self._unanswered[key] = self._unanswered.get(key, 0) + 1
+            if self._unanswered[key] < UNANSWERED_TO_REJECT:
+                return None
+            self._unanswered[key] = 0
         accusers = self._accusers.setdefault(key, set())
         if accuser in accusers:
             return None

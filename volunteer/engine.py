@@ -356,7 +356,7 @@ class Training:
         self.link.cancel_ready()
         dropped = self.run.trainer.samples + (early.weight if early else 0)
         self.run.trainer.reset_accumulation()
-        self.run.averager.samples.dropped()
+        self.run.averager.samples.dropped(self.run.pos.step)
         self.meter.drop_step()
         return dropped
 

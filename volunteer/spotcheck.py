@@ -29,6 +29,7 @@ import collections
 import copy
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -88,9 +89,11 @@ class SampleLog:
         while len(self._steps) > KEEP_STEPS:
             self._steps.popitem(last=False)
 
-    def dropped(self) -> None:
-        """The accumulation was dropped (a missed step, a catch-up): none of it will be averaged."""
-        self._steps.clear()
+    def dropped(self, step: int) -> None:
+        """The accumulation toward ``step`` (and beyond: computed ahead) was dropped (a missed step, a
+        catch-up): none of it will be averaged. What earlier steps averaged is still served."""
+        for kept in [k for k in self._steps if k >= step]:
+            del self._steps[kept]
 
     def answer(self, step: int) -> SpotCheckAnswer | None:
         kept = self._steps.get(step)
@@ -180,12 +183,15 @@ class Checker:
         if isinstance(answer, str):
             await self._report(check, "unanswered", answer)
             return
+        started = time.perf_counter()
         try:
             outcome, detail = await asyncio.to_thread(self._compare, model, answer, kept)
         except CrowdtrainError as exc:
             await self._report(check, "unverifiable", str(exc)[:90])
             return
-        await self._report(check, outcome, detail)
+        samples = sum(len(b) for b in answer.batches)
+        took = time.perf_counter() - started
+        await self._report(check, outcome, f"{samples} samples in {took:.2f} s; {detail}")
 
     async def _ask(self, check: SpotCheck, address: str) -> SpotCheckAnswer | str:
         """The suspect's samples of the step, or why they could not be had."""
@@ -214,6 +220,13 @@ class Checker:
             cut = run.sample_cut()
             self._sampler = Sampler(run.spec.dataset.manifest, run.config.data_dir, seed=0, **cut)
         trainer: Trainer = run.trainer
+        named = [sample for batch in answer.batches for sample in batch]
+        if not named or not all(self._sampler.offers(i, o) for i, o in named):
+            return "mismatch", "it named no samples, or samples outside the run's data set"
+        holdout = len(run.spec.dataset.manifest.chunks) - run.spec.eval.holdout_chunks
+        if run.spec.eval.every and any(i >= holdout for i, _ in named):
+            return "mismatch", "it named samples of the held-out chunks"
+        # (a sample of a chunk this peer does not hold yet: DatasetError, "unverifiable")
         grad, loss_sum = recompute(trainer, model, [self._sampler.rebuild(b) for b in answer.batches])
         a, b, copy_values = kept
         stop = min(b, trainer.param_numel)  # the gradient's values of my part (the buffers' follow)
@@ -225,9 +238,7 @@ class Checker:
             float(np.linalg.norm(theirs - mine)) / scale if scale > 0 else float(np.linalg.norm(theirs))
         )
         loss_off = abs(answer.loss_sum - loss_sum) / max(abs(loss_sum), 1e-6)
-        detail = (
-            f"gradient {distance:.4f} apart (≤ {GRAD_TOLERANCE}), loss {loss_off:.4f} (≤ {LOSS_TOLERANCE})"
-        )
+        detail = f"gradient {distance:.4f} apart, loss {loss_off:.4f}"
         if math.isfinite(distance) and distance <= GRAD_TOLERANCE and loss_off <= LOSS_TOLERANCE:
             return "match", detail
         return "mismatch", detail

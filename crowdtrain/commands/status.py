@@ -77,10 +77,17 @@ def format_status(status) -> str:  # status: RunStatus
                 f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
             )
     if status.credits:
-        lines.append("  credit ledger (samples of each volunteer key that entered the averages):")
-        lines.append(f"    {'volunteer key':<18} {'samples':>10} {'steps':>6} {'last step':>9}")
+        lines.append(
+            "  credit ledger (samples of each volunteer key that entered the averages; spot-checks):"
+        )
+        lines.append(
+            f"    {'volunteer key':<18} {'samples':>10} {'steps':>6} {'last step':>9} {'verified':>8} {'rejected':>8}"
+        )
         for c in status.credits:
-            lines.append(f"    {c.public_key[:16] + '…':<18} {c.samples:>10,} {c.steps:>6} {c.last_step:>9}")
+            lines.append(
+                f"    {c.public_key[:16] + '…':<18} {c.samples:>10,} {c.steps:>6} {c.last_step:>9}"
+                f" {c.verified:>8} {c.rejected:>8}"
+            )
     if status.evals:
         lines.append("  held-out evaluations:")
         for e in status.evals:
