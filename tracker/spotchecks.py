@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from crowdtrain.protocol.addresses import Origin
+from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment, RunSpec, SpotCheck, SpotCheckVerdict
 from crowdtrain.tracker.store import RunStore
 
@@ -48,7 +49,7 @@ CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that se
 KEEP_CHECKS = 64  # drawn checks awaiting a verdict, at most (the oldest is forgotten)
 
 
-class VerdictRefused(Exception):
+class VerdictRefused(CrowdtrainError):
     """A verdict the tracker does not take (answered 409 with this sentence)."""
 
 

@@ -65,10 +65,10 @@ from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMembe
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
 from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
+from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder
 from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
-from crowdtrain.volunteer.spotcheck import SampleLog
 
 
 class Averager:
