@@ -4,10 +4,18 @@ the same model, data and token budget, side by side in one run of this script.
 One tracker, the built-in corpus (``builtin:stdlib``, 1 MiB cut in 16 chunks of 64 KiB, byte tokens) and one
 libtorrent seeder live in this process; each configuration is a run of its own on them, trained by
 ``--volunteers`` ``crowdtrain join --json`` processes that leave at ``--max-steps``. The model is tiny-gpt
-(default d_model 128 × 4 layers, 4 heads, seq_len 64), AdamW at 1e-3 with a constant rate, target batch 256
-samples, micro-batch 16; local runs take inner steps of 64 samples (``inner_batch_size``) and the default outer
-step (Nesterov, outer_lr 0.7, momentum 0.9). Every run has ``step_timeout_s = 600`` (a local round covers
-H × 256 samples) and ``[eval] holdout_chunks = 1``: the last chunk is never trained on.
+(default d_model 128 × 4 layers, 4 heads, seq_len 64), AdamW at 1e-3 with a constant rate (``--schedule
+cosine``: a cosine decay, below), target batch 256 samples, micro-batch 16; local runs take inner steps of 64
+samples (``inner_batch_size``) and the default outer step (Nesterov, outer_lr 0.7, momentum 0.9). Every run
+has ``step_timeout_s = 600`` (a local round covers H × 256 samples) and ``[eval] holdout_chunks = 1``: the
+last chunk is never trained on.
+
+``--schedule cosine`` gives every row ``{"kind": "cosine", "warmup_steps": W, "total_steps": T,
+"min_lr_ratio": 0.1}`` with T = ceil(tokens / (256 × seq_len)), the every-step run's step count for the budget
+(120 for 1,966,080 tokens), and W = ``--warmup-steps`` (default 0; it applies to the constant schedule too).
+A local run's inner learning rate follows the schedule at the global-equivalent step ``anchor_step × H + j``
+(volunteer/local.py), so the same schedule decays over the same samples in both modes; the outer step keeps
+its constant outer_lr.
 
     .venv/bin/python bench/lowcomm.py --markdown                     # 2M tokens per configuration
     .venv/bin/python bench/lowcomm.py --quick                        # ~200k tokens: a quick look
@@ -15,6 +23,8 @@ H × 256 samples) and ``[eval] holdout_chunks = 1``: the last chunk is never tra
     .venv/bin/python bench/lowcomm.py --tokens 1000000 --configs 1:int8,10:int8
     .venv/bin/python bench/lowcomm.py --configs 1:int8,10:sparse:1.0:0.0        # H:codec:outer_lr:outer_momentum
     .venv/bin/python bench/lowcomm.py --configs 1:int8,30:int2:0.7:0.9:128      # ...:inner_batch_size
+    .venv/bin/python bench/lowcomm.py --tokens 1966080 --schedule cosine --configs 1:int8,30:int2
+    .venv/bin/python bench/lowcomm.py --schedule cosine --warmup-steps 10       # linear warm-up, then cosine
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,
@@ -56,6 +66,7 @@ from utilization import KiB, Proc, cores, param_count, start_volunteer, stop_all
 SEED = 20261124  # the held-out samples' sampler
 TARGET, MICRO, INNER_BATCH = 256, 16, 64
 STEP_TIMEOUT_S = 600.0
+MIN_LR_RATIO = 0.1  # --schedule cosine: the rate decays to this × 1e-3
 NEVER = 1 << 30  # eval.every: the held-out split without the volunteers' own evaluations
 
 
@@ -63,6 +74,13 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2_000_000, help="token budget per configuration")
     ap.add_argument("--quick", action="store_true", help="a budget of 200k tokens")
+    ap.add_argument(
+        "--schedule",
+        default="constant",
+        choices=("constant", "cosine"),
+        help="every row's learning-rate schedule; cosine decays over the every-step run's steps of the budget",
+    )
+    ap.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps of the schedule")
     ap.add_argument(
         "--configs",
         default="1:int8,10:int8,30:int8,10:none,10:sparse,30:sparse",
@@ -98,6 +116,15 @@ def config(text: str) -> tuple[int, str, tuple[float, ...] | None]:
     return int(h), codec, tuple(float(x) for x in outer) if outer else None
 
 
+def schedule_spec(args, seq_len: int) -> dict:
+    """Every row's schedule: constant, or cosine over the every-step run's steps of the budget."""
+    if args.schedule == "constant":
+        return {"kind": "constant", "warmup_steps": args.warmup_steps, "total_steps": 1000}
+    total = math.ceil(args.tokens / (TARGET * seq_len))
+    return {"kind": "cosine", "warmup_steps": args.warmup_steps, "total_steps": total,
+            "min_lr_ratio": MIN_LR_RATIO}  # fmt: skip
+
+
 async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args, outer=None) -> Any:
     from crowdtrain.protocol.client import TrackerClient
     from crowdtrain.publisher import build_run_create
@@ -111,7 +138,7 @@ async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args,
     create = await asyncio.to_thread(
         build_run_create, data, name=f"lowcomm H={h} {codec}", model={"recipe": "tiny-gpt", "args": margs},
         target_batch_size=TARGET, micro_batch_size=MICRO, optimizer={"name": "adamw", "lr": 1e-3},
-        schedule={"kind": "constant", "warmup_steps": 0, "total_steps": 1000}, averaging=averaging,
+        schedule=schedule_spec(args, margs["seq_len"]), averaging=averaging,
         eval={"every": NEVER, "holdout_chunks": 1, "samples": 1},
     )  # fmt: skip
     async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
@@ -322,12 +349,18 @@ async def main() -> None:
     import torch
 
     margs = {"d_model": args.d_model, "n_layer": args.layers, "n_head": args.heads, "seq_len": args.seq_len}
+    sched = schedule_spec(args, args.seq_len)
+    schedule = sched["kind"]
+    if sched["kind"] == "cosine":
+        schedule += f" over {sched['total_steps']} steps to {MIN_LR_RATIO:g} × 1e-3"
+    if args.warmup_steps:
+        schedule += f" after {args.warmup_steps} warm-up steps"
     n_params = await asyncio.to_thread(param_count, margs)
     print(
         f"machine: {cores()} cores (shared: wall times are indicative only), torch {torch.__version__}, "
         f"{args.threads} torch thread(s) per volunteer, device {args.device}; tiny-gpt {margs}: "
         f"{n_params / 1e6:.2f} M parameters; {args.volunteers} volunteers, target {TARGET}, micro {MICRO}, "
-        f"inner_batch_size {INNER_BATCH} (local runs), AdamW 1e-3 constant; budget {args.tokens:,} tokens",
+        f"inner_batch_size {INNER_BATCH} (local runs), AdamW 1e-3 {schedule}; budget {args.tokens:,} tokens",
         flush=True,
     )
     rows = []
