@@ -142,6 +142,8 @@ async def one_run(rate: float, cheater: str, args, workdir: Path) -> dict:
         for e in events:
             if isinstance(e, ev.LogLine) and (m := CHECK.search(e.message)):
                 outcomes[m.group(1)] += 1
+                if args.verbose or (m.group(1) != "match" and cheater == "none"):
+                    print(f"    {e.message}", file=sys.stderr)
                 recompute_s += float(m.group(3) or 0.0)
     compute_s = sum(e.compute_s for d in done for e in d)
     steps = max((e.step for d in done for e in d), default=0) + 1
@@ -167,6 +169,7 @@ async def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="global steps of the honest volunteers per run")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="print every verdict that is not a match")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []

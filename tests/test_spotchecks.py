@@ -257,3 +257,35 @@ def test_unanswered_checks_in_a_row_count_as_one_rejection_and_a_match_resets_th
     check(6, "unanswered")
     rejected = {c.public_key: c.rejected for c in checks.store.credits(checks.spec.run_id)}
     assert rejected[first * 4] == 1 and all(barred is None for _, barred in said)
+
+
+def test_rejections_that_are_a_small_share_of_a_key_s_checks_do_not_bar_it(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16, "c" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    outcomes: dict[str, list[str]] = {pid: [] for pid in ids}
+    step = 0
+    # every key is checked until one has 20 matches; then that key's copies fail twice, from two accusers
+    while not any(o.count("match") >= 20 for o in outcomes.values()):
+        checks.draw(step, assignments, peers, {})
+        suspect, checker = drawn(checks, step, ids)
+        msg = SpotCheckVerdict(peer_id=checker, step=step, suspect=suspect, outcome="match")
+        checks.verdict(msg, checker * 4, f"key {checker * 4}", "conformance-abc123")
+        outcomes[suspect].append("match")
+        step += 1
+    [honest] = [pid for pid, o in outcomes.items() if o.count("match") >= 20]
+    barred = []
+    for accuser in ("host-1", "host-2"):
+        while True:  # (the next check drawn of that key)
+            checks.draw(step, assignments, peers, {})
+            suspect, checker = drawn(checks, step, ids)
+            step += 1
+            if suspect == honest:
+                break
+            msg = SpotCheckVerdict(peer_id=checker, step=step - 1, suspect=suspect, outcome="match")
+            checks.verdict(msg, checker * 4, f"key {checker * 4}", "conformance-abc123")
+        msg = SpotCheckVerdict(peer_id=checker, step=step - 1, suspect=honest, outcome="mismatch")
+        barred.append(checks.verdict(msg, checker * 4, accuser, "conformance-abc123"))
+    assert barred == [None, None] and checks.refusal(honest * 4) is None  # 2 of 22 checks: under 10 %
+    [credit] = [c for c in checks.store.credits(checks.spec.run_id) if c.public_key == honest * 4]
+    assert (credit.verified, credit.rejected) == (20, 2)

@@ -148,6 +148,11 @@ def test_spot_checks_count_verified_and_rejected_beside_the_samples(store):
     assert by_key == {a: (40, 1, 1), b: (8, 0, 1)}
     store.record_check(run.run_id, b, False)
     assert store.rejected_keys(run.run_id, 2) == {b} and store.rejected_keys(run.run_id, 1) == {a, b}
+    # a share of its checks: a has 1 rejected of 2, b 2 of 2
+    assert store.rejected_keys(run.run_id, 1, 0.6) == {b} and store.rejected_keys(run.run_id, 1, 0.5) == {
+        a,
+        b,
+    }
 
 
 def test_closing_a_run_keeps_its_first_time(store):

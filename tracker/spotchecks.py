@@ -17,12 +17,13 @@ The rules (docs/security.md, "Spot-checks"):
   rejected this key before: ``rejected`` once more. ``unanswered`` (the suspect's peer server did not give
   its samples: a refusal, or a network fault) makes it a suspect first again, and
   :data:`UNANSWERED_TO_REJECT` of them in a row (no match between) count as one rejection by the accuser
-  of the last. An accuser is a checker's address, or its
-  key when it runs on the tracker's machine (a demo's volunteers). At :data:`REJECTIONS_TO_BAR` rejections
-  the key is barred from the run: its peer is removed (its allotment freed, its weight 0 from then on) and
-  every request it makes is answered 410 with :meth:`SpotChecks.refusal`'s sentence. ``unverifiable``
-  counts for nothing. The counts are the credit ledger's (durable); so a barred key stays barred after a
-  restart.
+  of the last. An accuser is a checker's address, or its key when it runs on the tracker's machine (a
+  demo's volunteers). At :data:`REJECTIONS_TO_BAR` rejections, if they are at least
+  :data:`REJECTED_SHARE_TO_BAR` of its checks (an honest key whose copy was once quantised far from its
+  gradient is not barred for it after many matches), the key is barred from the run: its peer is removed
+  (its allotment freed, its weight 0 from then on) and every request it makes is answered 410 with
+  :meth:`SpotChecks.refusal`'s sentence. ``unverifiable`` counts for nothing. The counts are the credit
+  ledger's (durable); so a barred key stays barred after a restart.
 * A verdict is taken once, from the checker the tracker drew for that step and suspect; anything else is
   refused.
 """
@@ -43,7 +44,8 @@ from crowdtrain.tracker.store import RunStore
 if TYPE_CHECKING:
     from crowdtrain.tracker.collab import Peer
 
-REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run
+REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run...
+REJECTED_SHARE_TO_BAR = 0.1  # ...when they are at least this share of its checks
 UNANSWERED_TO_REJECT = 3  # unanswered checks in a row that count as a rejection
 CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
 KEEP_CHECKS = 64  # drawn checks awaiting a verdict, at most (the oldest is forgotten)
@@ -175,7 +177,8 @@ class SpotChecks:
             return None
         accusers.add(accuser)
         record = self.store.record_check(run_id, key, False)
-        if record.rejected >= REJECTIONS_TO_BAR:
+        checked = record.verified + record.rejected
+        if record.rejected >= REJECTIONS_TO_BAR and record.rejected >= REJECTED_SHARE_TO_BAR * checked:
             self.barred_keys().add(key)
             return key
         return None
@@ -184,7 +187,9 @@ class SpotChecks:
 
     def barred_keys(self) -> set[str]:
         if self._barred is None:
-            self._barred = self.store.rejected_keys(self.spec.run_id, REJECTIONS_TO_BAR)
+            self._barred = self.store.rejected_keys(
+                self.spec.run_id, REJECTIONS_TO_BAR, REJECTED_SHARE_TO_BAR
+            )
         return self._barred
 
     def refusal(self, key: str) -> str | None:
@@ -193,6 +198,6 @@ class SpotChecks:
             return None
         return (
             f"run {self.spec.run_id} takes nothing more from this volunteer's key: its gradients failed "
-            f"{REJECTIONS_TO_BAR} spot-checks by other volunteers (recomputed from the samples it named, they "
-            "did not match what it sent); see docs/security.md"
+            f"{REJECTIONS_TO_BAR} or more spot-checks by other volunteers (recomputed from the samples it "
+            "named, they did not match what it sent); see docs/security.md"
         )

@@ -121,8 +121,9 @@ class RunStore(Protocol):
         return its record."""
         ...
 
-    def rejected_keys(self, run_id: str, at_least: int) -> set[str]:
-        """The keys of the run with at least ``at_least`` rejected spot-checks."""
+    def rejected_keys(self, run_id: str, at_least: int, share: float = 0.0) -> set[str]:
+        """The keys of the run with at least ``at_least`` rejected spot-checks, and at least ``share`` of
+        their checks rejected."""
         ...
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
@@ -287,9 +288,10 @@ class Store:
             ).fetchone()
         return _credit(row)
 
-    def rejected_keys(self, run_id: str, at_least: int) -> set[str]:
+    def rejected_keys(self, run_id: str, at_least: int, share: float = 0.0) -> set[str]:
         rows = self._db.execute(
-            "SELECT public_key FROM credits WHERE run_id = ? AND rejected >= ?", (run_id, at_least)
+            "SELECT public_key FROM credits WHERE run_id = ? AND rejected >= ? AND rejected >= ? * (verified + rejected)",
+            (run_id, at_least, share),
         ).fetchall()
         return {key for (key,) in rows}
 
