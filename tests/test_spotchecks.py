@@ -17,7 +17,7 @@ from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMember, SpotCheckVerdict
 from crowdtrain.tracker.collab import Peer
 from crowdtrain.tracker.ledger import Share
-from crowdtrain.tracker.spotchecks import REJECTIONS_TO_BAR, SpotChecks, VerdictRefused
+from crowdtrain.tracker.spotchecks import KEEP_STEPS, REJECTIONS_TO_BAR, SpotChecks, VerdictRefused
 from crowdtrain.tracker.store import Store
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
@@ -289,3 +289,20 @@ def test_rejections_that_are_a_small_share_of_a_key_s_checks_do_not_bar_it(tmp_p
     assert barred == [None, None] and checks.refusal(honest * 4) is None  # 2 of 22 checks: under 10 %
     [credit] = [c for c in checks.store.credits(checks.spec.run_id) if c.public_key == honest * 4]
     assert (credit.verified, credit.rejected) == (20, 2)
+
+
+def test_a_verdict_comes_within_eight_steps_of_its_draw_or_is_refused(tmp_path):
+    checks = rules(tmp_path)
+    ids = ["a" * 16, "b" * 16]
+    assignments, peers = group(*((pid, 8, True) for pid in ids))
+    checks.draw(0, assignments, peers, {})
+    suspect, checker = drawn(checks, 0, ids)
+    for step in range(1, KEEP_STEPS + 1):
+        checks.draw(step, assignments, peers, {})
+    assert checks.of(0, checker) is None  # forgotten: its verdict is refused
+    msg = SpotCheckVerdict(peer_id=checker, step=0, suspect=suspect, outcome="mismatch")
+    with pytest.raises(VerdictRefused):
+        checks.verdict(msg, checker * 4, "host-1", "conformance-abc123")
+    late, late_checker = drawn(checks, KEEP_STEPS, ids)  # the newest are kept
+    msg = SpotCheckVerdict(peer_id=late_checker, step=KEEP_STEPS, suspect=late, outcome="match")
+    assert checks.verdict(msg, late_checker * 4, "host-1", "conformance-abc123") is None

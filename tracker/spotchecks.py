@@ -48,7 +48,7 @@ REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from 
 REJECTED_SHARE_TO_BAR = 0.1  # ...when they are at least this share of its checks
 UNANSWERED_TO_REJECT = 3  # unanswered checks in a row that count as a rejection
 CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
-KEEP_CHECKS = 64  # drawn checks awaiting a verdict, at most (the oldest is forgotten)
+KEEP_STEPS = 8  # drawn checks await their verdicts this many steps (then they are forgotten)
 
 
 class VerdictRefused(CrowdtrainError):
@@ -93,6 +93,8 @@ class SpotChecks:
         """Draw the checks of ``step``'s groups (phase 0), by the module's rules."""
         if not self.enabled:
             return
+        for old in [k for k in self._drawn if k[0] <= step - KEEP_STEPS]:
+            self._for_checker.pop((old[0], self._drawn.pop(old).checker), None)
         groups = {a[0].round_id: a[0] for a in assignments.values() if a and a[0].phase == 0}
         for group in groups.values():
             if self.rng.random() >= self.spec.averaging.spot_checks:
@@ -133,9 +135,6 @@ class SpotChecks:
     def _remember(self, step: int, suspect: str, checker: str, peers: Mapping[str, Peer]) -> None:
         self._drawn[(step, suspect)] = _Drawn(checker, peers[checker].public_key, peers[suspect].public_key)
         self._for_checker[(step, checker)] = SpotCheck(step=step, suspect=suspect)
-        while len(self._drawn) > KEEP_CHECKS:
-            (old_step, _), old = self._drawn.popitem(last=False)
-            self._for_checker.pop((old_step, old.checker), None)
 
     def of(self, step: int, peer_id: str) -> SpotCheck | None:
         """The check ``peer_id`` was drawn to make at ``step``, if any."""
