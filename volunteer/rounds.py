@@ -150,8 +150,8 @@ class Rounds:
 
     async def average(self, rnd: Round, grad: np.ndarray) -> Round:
         """All-reduce the step's gradient over its phases (and, with delay 1 on an averaging step, the
-        parameters the gradient was computed on). A spot-check drawn for this peer (delay 0: the model holds
-        the step's parameters until the average is applied) starts once the round is over."""
+        parameters the gradient was computed on). A spot-check drawn for this peer is made once the round is
+        over, before the average is applied (delay 0: the model still holds the step's parameters)."""
         check = rnd.check if rnd.phases and not self.run.delay and not rnd.catching_up else None
         if check is not None:
             self.checker.wants(check, rnd.phases[0])
@@ -161,10 +161,11 @@ class Rounds:
             mean, failed = await self._phases(rnd.phases, grad, "grad", reuse=not rnd.catching_up)
         except AveragingError as exc:
             rnd.error = str(exc)
+            if check is not None:  # (nothing to compare: the tracker forgets the check in a few steps)
+                self.run.averager.wanted.pop(rnd.phases[0].round_id, None)
             return rnd
-        finally:
-            if check is not None:
-                self.checker.start(check, rnd.phases[0])
+        if check is not None:
+            await self.checker.check(check, rnd.phases[0])
         if failed:
             self.run.note(
                 logging.WARNING,

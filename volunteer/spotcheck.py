@@ -6,12 +6,13 @@ checkers (:mod:`crowdtrain.volunteer.averaging.samples`).
 
 As a *checker* (the tracker names it in its ready reply, with the suspect), a volunteer keeps the suspect's
 copy of the part it owns in the step's first phase (the averager's reducer, before the mean scales it),
-takes a copy of its model as it was for the step (every-step mode with delay 0: the parameters every member
-computed its gradient at), asks the suspect for its samples, rebuilds its micro-batches from the data set,
-recomputes its gradient in a thread beside training and compares, over the values of its part that hold
-gradient (the buffers' values that follow the gradient in the vector depend on each member's own forward
-passes): ``match`` when the copy is within GRAD_TOLERANCE of the recomputed gradient (:func:`apart`) and
-the losses agree within LOSS_TOLERANCE; ``mismatch`` otherwise; ``unanswered`` when the suspect does not
+asks the suspect for its samples once the round is over, rebuilds its micro-batches from the data set
+and, before it applies the step's average (every-step mode with delay 0: its model still holds the
+parameters every member computed its gradient at; no copy of the model is made), recomputes the suspect's
+gradient of its part in a thread and compares, over the values of its part that hold gradient (the
+buffers' values that follow the gradient in the vector depend on each member's own forward passes):
+``match`` when the copy is within GRAD_TOLERANCE of the recomputed gradient (:func:`apart`) and the losses
+agree within LOSS_TOLERANCE; ``mismatch`` otherwise; ``unanswered`` when the suspect does not
 answer (or answers nonsense); ``unverifiable`` when this peer cannot recompute it (a chunk it does not hold
 yet, a model with dropout). The verdict goes to the tracker.
 
@@ -25,7 +26,6 @@ the tolerance is absorbed by the tracker's rule (rejections must be 10 % of a ke
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import math
 import time
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 GRAD_TOLERANCE = 0.5  # relative L2 distance between the copy and the recomputed gradient, beyond a step
 LOSS_TOLERANCE = 0.02  # relative distance between the losses
-ASK_TIMEOUT_S = 10.0
+ASK_TIMEOUT_S = 5.0  # (this peer's step waits for the answer)
 ANSWER_LIMITS = Limits(max_json_bytes=32 * MAX_CHECKED_SAMPLES)
 
 
@@ -70,71 +70,50 @@ class Checker:
 
     def __init__(self, run: JoinedRun) -> None:
         self.run = run
-        self._model: torch.nn.Module | None = None  # a second copy of the model, made at the first check
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._reports: set[asyncio.Task[None]] = set()
         self._sampler: Sampler | None = None
 
     def wants(self, check: SpotCheck, group: GroupAssignment) -> None:
         """Before the round: keep the suspect's copy of my part of the step's first phase."""
         self.run.averager.wanted[group.round_id] = check.suspect
 
-    def start(self, check: SpotCheck, group: GroupAssignment) -> None:
-        """After the round, before the step is applied: take the step's model and check in the background."""
+    async def check(self, check: SpotCheck, group: GroupAssignment) -> None:
+        """After the round, before the step is applied (the model holds the step's parameters): ask the
+        suspect for its samples, recompute its gradient of my part on this model (in a thread; this peer's
+        step waits for it, about the suspect's share of a step's compute) and report in the background."""
         kept = self.run.averager.kept.pop(group.round_id, None)
         self.run.averager.wanted.pop(group.round_id, None)
         address = next((m.address for m in group.members if m.peer_id == check.suspect), None)
+        model = self.run.trainer.model
         why = (
             "the suspect's copy of my part did not arrive"
             if kept is None
-            else "an earlier check is still being computed"
-            if self._tasks
             else "the suspect has no address to ask"
             if address is None
+            else "the model has dropout: its gradients are not reproducible"
+            if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
             else None
         )
         if why is not None:
-            self._spawn(self._report(check, "unverifiable", why))
+            self._report(check, "unverifiable", why)
             return
         assert kept is not None and address is not None
-        trainer = self.run.trainer
-        if self._model is None:
-            self._model = copy.deepcopy(trainer.model)
-        else:
-            with torch.no_grad():
-                for mine, theirs in zip(self._model.parameters(), trainer.model.parameters(), strict=True):
-                    mine.copy_(theirs)
-        self._spawn(self._check(check, address, self._model, kept))
-
-    def _spawn(self, job) -> None:
-        task = asyncio.get_running_loop().create_task(job)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-
-    async def _check(
-        self, check: SpotCheck, address: str, model: torch.nn.Module, kept: tuple[int, int, np.ndarray]
-    ) -> None:
-        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-            await self._report(
-                check, "unverifiable", "the model has dropout: its gradients are not reproducible"
-            )
-            return
         answer = await self._ask(check, address)
         if isinstance(answer, str):
-            await self._report(check, "unanswered", answer)
+            self._report(check, "unanswered", answer)
             return
         started = time.perf_counter()
         try:
-            outcome, detail = await asyncio.to_thread(self._compare, model, answer, kept)
+            outcome, detail = await asyncio.to_thread(self._compare, answer, kept)
         except CrowdtrainError as exc:
-            await self._report(check, "unverifiable", str(exc)[:90])
+            self._report(check, "unverifiable", str(exc)[:90])
             return
         samples = sum(len(b) for b in answer.batches)
-        took = time.perf_counter() - started
-        await self._report(check, outcome, f"{samples} samples in {took:.2f} s; {detail}")
+        self._report(check, outcome, f"{samples} samples in {time.perf_counter() - started:.2f} s; {detail}")
+
+    def cancel(self) -> None:
+        for task in self._reports:
+            task.cancel()
 
     async def _ask(self, check: SpotCheck, address: str) -> SpotCheckAnswer | str:
         """The suspect's samples of the step, or why they could not be had."""
@@ -154,9 +133,7 @@ class Checker:
             return f"answered for step {answer.step}"
         return answer
 
-    def _compare(
-        self, model: torch.nn.Module, answer: SpotCheckAnswer, kept: tuple[int, int, np.ndarray]
-    ) -> tuple[SpotOutcome, str]:
+    def _compare(self, answer: SpotCheckAnswer, kept: tuple[int, int, np.ndarray]) -> tuple[SpotOutcome, str]:
         """Recompute (in a thread) and compare; returns the outcome and its figures."""
         run = self.run
         if self._sampler is None:
@@ -169,30 +146,38 @@ class Checker:
         holdout = len(run.spec.dataset.manifest.chunks) - run.spec.eval.holdout_chunks
         if run.spec.eval.every and any(i >= holdout for i, _ in named):
             return "mismatch", "it named samples of the held-out chunks"
-        # (a sample of a chunk this peer does not hold yet: DatasetError, "unverifiable")
-        grad, loss_sum = recompute(trainer, model, [self._sampler.rebuild(b) for b in answer.batches])
         a, b, copy_values = kept
         stop = min(b, trainer.param_numel)  # the gradient's values of my part (the buffers' follow)
         if stop <= a:
             return "unverifiable", "my part holds no gradient values"
-        raw, distance = apart(copy_values[: stop - a], grad[a:stop], run.spec.averaging.codec)
+        # (a sample of a chunk this peer does not hold yet: DatasetError, "unverifiable")
+        batches = [self._sampler.rebuild(batch) for batch in answer.batches]
+        grad, loss_sum = recompute(trainer, batches, a, stop)
+        raw, distance = apart(copy_values[: stop - a], grad, run.spec.averaging.codec)
         loss_off = abs(answer.loss_sum - loss_sum) / max(abs(loss_sum), 1e-6)
         detail = f"gradient {distance:.4f} apart ({raw:.4f} raw), loss {loss_off:.4f}"
         if math.isfinite(distance) and distance <= GRAD_TOLERANCE and loss_off <= LOSS_TOLERANCE:
             return "match", detail
         return "mismatch", detail
 
-    async def _report(self, check: SpotCheck, outcome: SpotOutcome, detail: str) -> None:
+    def _report(self, check: SpotCheck, outcome: SpotOutcome, detail: str) -> None:
+        """Note the verdict and send it to the tracker in the background."""
         run = self.run
         verdict = SpotCheckVerdict(
             peer_id=run.peer_id, step=check.step, suspect=check.suspect, outcome=outcome, detail=detail[:100]
         )
         level = logging.WARNING if outcome == "mismatch" else logging.INFO
         run.note(level, "spot-check of %s at step %d: %s (%s)", check.suspect, check.step, outcome, detail)
-        try:
-            await run.tracker.spot_check(run.config.run_id, verdict, run.key, run.credential)
-        except CrowdtrainError as exc:
-            run.note(logging.INFO, "could not report a spot-check to the tracker (%s)", exc)
+
+        async def send() -> None:
+            try:
+                await run.tracker.spot_check(run.config.run_id, verdict, run.key, run.credential)
+            except CrowdtrainError as exc:
+                run.note(logging.INFO, "could not report a spot-check to the tracker (%s)", exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
 
 def apart(sent: np.ndarray, mine: np.ndarray, codec: str) -> tuple[float, float]:
@@ -217,28 +202,32 @@ def apart(sent: np.ndarray, mine: np.ndarray, codec: str) -> tuple[float, float]
     return raw, float(np.linalg.norm(beyond)) / norm if norm > 0 else float(np.linalg.norm(beyond))
 
 
-def recompute(trainer: Trainer, model: torch.nn.Module, batches: Sequence) -> tuple[np.ndarray, float]:
-    """The mean gradient (flat, the trainer's layout, gradient values only) of ``model`` over ``batches`` as
-    :meth:`Trainer.accumulate` computes it (each micro-batch's n × mean loss back-propagated), and
-    Σ n × loss."""
-    named = sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda item: item[0])
-    for _, p in named:
-        p.grad = None
-    model.train()
+def recompute(trainer: Trainer, batches: Sequence, a: int, b: int) -> tuple[np.ndarray, float]:
+    """Values ``[a, b)`` of the mean gradient (the trainer's flat layout) of the trainer's model over
+    ``batches``, as :meth:`Trainer.accumulate` computes it (each micro-batch's n × mean loss
+    back-propagated), and Σ n × loss. Only the parameters that hold those values get a gradient
+    (``torch.autograd.grad``: the trainer's own ``.grad`` buffer, which holds the step's average, is not
+    touched, and no copy of the model is made)."""
+    spans, offset = [], 0
+    for p in trainer.params:
+        if offset < b and offset + p.numel() > a:
+            spans.append((offset, p))
+        offset += p.numel()
+    first = spans[0][0]
+    sums = [torch.zeros_like(p) for _, p in spans]
+    trainer.model.train()
     total, samples = 0.0, 0
     for batch in batches:
         n = len(batch)
         x = torch.from_numpy(np.ascontiguousarray(batch.x)).to(trainer.device)
         y = torch.from_numpy(np.ascontiguousarray(batch.y)).to(trainer.device)
         with trainer._autocast():
-            loss = trainer.recipe.loss(model, x, y)
-        (loss * n).backward()
+            loss = trainer.recipe.loss(trainer.model, x, y)
+        grads = torch.autograd.grad(loss * n, [p for _, p in spans], allow_unused=True)
+        for acc, g in zip(sums, grads, strict=True):
+            if g is not None:
+                acc += g
         total += float(loss.detach()) * n
         samples += n
-    flat = torch.cat(
-        [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
-            for _, p in named
-        ]
-    )
-    return (flat / max(samples, 1)).cpu().numpy(), total
+    flat = torch.cat([g.reshape(-1) for g in sums]) / max(samples, 1)
+    return flat[a - first : b - first].detach().cpu().numpy(), total
