@@ -162,7 +162,7 @@ class Rounds:
         except AveragingError as exc:
             rnd.error = str(exc)
             if check is not None:  # (nothing to compare: the tracker forgets the check in a few steps)
-                self.run.averager.wanted.pop(rnd.phases[0].round_id, None)
+                self.checker.drop(rnd.phases[0])
             return rnd
         if check is not None:
             await self.checker.check(check, rnd.phases[0])

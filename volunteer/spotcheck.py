@@ -6,7 +6,8 @@ checkers (:mod:`crowdtrain.volunteer.averaging.samples`).
 
 As a *checker* (the tracker names it in its ready reply, with the suspect), a volunteer keeps the suspect's
 copy of the part it owns in the step's first phase (the averager's reducer, before the mean scales it),
-asks the suspect for its samples once the round is over, rebuilds its micro-batches from the data set
+asks the suspect for its samples as soon as that copy is in (the suspect has committed to it: a cheater
+cannot learn of the check and send an honest copy instead), rebuilds its micro-batches from the data set
 and, before it applies the step's average (every-step mode with delay 0: its model still holds the
 parameters every member computed its gradient at; no copy of the model is made), recomputes the suspect's
 gradient of its part in a thread and compares, over the values of its part that hold gradient (the
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from crowdtrain.datasets.sampler import Sampler
-from crowdtrain.protocol.aio import BodyTooLong, read_body
+from crowdtrain.protocol.aio import BodyTooLong, read_body, wait_at_most
 from crowdtrain.protocol.codecs import INT8_BLOCK
 from crowdtrain.protocol.errors import CrowdtrainError, ProtocolError
 from crowdtrain.protocol.limits import Limits
@@ -61,7 +62,8 @@ log = logging.getLogger(__name__)
 
 GRAD_TOLERANCE = 0.5  # relative L2 distance between the copy and the recomputed gradient, beyond a step
 LOSS_TOLERANCE = 0.02  # relative distance between the losses
-ASK_TIMEOUT_S = 5.0  # (this peer's step waits for the answer)
+ASK_TIMEOUT_S = 10.0  # the suspect's answer, from the request
+ANSWER_WAIT_S = 1.0  # how long this peer's step waits for it after the round (a frozen suspect: unanswered)
 ANSWER_LIMITS = Limits(max_json_bytes=32 * MAX_CHECKED_SAMPLES)
 
 
@@ -71,34 +73,55 @@ class Checker:
     def __init__(self, run: JoinedRun) -> None:
         self.run = run
         self._reports: set[asyncio.Task[None]] = set()
+        self._asking: dict[str, asyncio.Task[SpotCheckAnswer | str]] = {}  # round id -> the suspect's answer
         self._sampler: Sampler | None = None
 
     def wants(self, check: SpotCheck, group: GroupAssignment) -> None:
-        """Before the round: keep the suspect's copy of my part of the step's first phase."""
-        self.run.averager.wanted[group.round_id] = check.suspect
+        """Before the round: keep the suspect's copy of my part of the step's first phase, and ask the suspect
+        for its samples as soon as that copy is in (so the answer is usually here when the round ends)."""
+        arrived = asyncio.Event()
+        self.run.averager.wanted[group.round_id] = (check.suspect, arrived)
+        address = next((m.address for m in group.members if m.peer_id == check.suspect), None)
+        if address is not None:
+            self._asking[group.round_id] = asyncio.get_running_loop().create_task(
+                self._ask_once_in(arrived, check, address, group.deadline)
+            )
+
+    async def _ask_once_in(
+        self, arrived: asyncio.Event, check: SpotCheck, address: str, deadline: float
+    ) -> SpotCheckAnswer | str:
+        if not await wait_at_most(arrived, max(0.0, deadline - time.time())):
+            return "its copy of my part did not arrive by the round's deadline"
+        return await self._ask(check, address)
 
     async def check(self, check: SpotCheck, group: GroupAssignment) -> None:
-        """After the round, before the step is applied (the model holds the step's parameters): ask the
-        suspect for its samples, recompute its gradient of my part on this model (in a thread; this peer's
-        step waits for it, about the suspect's share of a step's compute) and report in the background."""
+        """After the round, before the step is applied (the model holds the step's parameters): take the
+        suspect's samples (waiting at most ANSWER_WAIT_S more for them), recompute its gradient of my part on
+        this model (in a thread; this peer's step waits for it, about the suspect's share of a step's
+        compute) and report in the background."""
         kept = self.run.averager.kept.pop(group.round_id, None)
         self.run.averager.wanted.pop(group.round_id, None)
-        address = next((m.address for m in group.members if m.peer_id == check.suspect), None)
+        asking = self._asking.pop(group.round_id, None)
         model = self.run.trainer.model
         why = (
             "the suspect's copy of my part did not arrive"
             if kept is None
             else "the suspect has no address to ask"
-            if address is None
+            if asking is None
             else "the model has dropout: its gradients are not reproducible"
             if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
             else None
         )
         if why is not None:
+            if asking is not None:
+                asking.cancel()
             self._report(check, "unverifiable", why)
             return
-        assert kept is not None and address is not None
-        answer = await self._ask(check, address)
+        assert kept is not None and asking is not None
+        done, _ = await asyncio.wait([asking], timeout=ANSWER_WAIT_S)
+        if not done:
+            asking.cancel()
+        answer = asking.result() if done else f"no answer within {ANSWER_WAIT_S} s of the round's end"
         if isinstance(answer, str):
             self._report(check, "unanswered", answer)
             return
@@ -111,8 +134,15 @@ class Checker:
         samples = sum(len(b) for b in answer.batches)
         self._report(check, outcome, f"{samples} samples in {time.perf_counter() - started:.2f} s; {detail}")
 
+    def drop(self, group: GroupAssignment) -> None:
+        """The round failed as a whole: nothing to compare (the tracker forgets the check in a few steps)."""
+        self.run.averager.wanted.pop(group.round_id, None)
+        asking = self._asking.pop(group.round_id, None)
+        if asking is not None:
+            asking.cancel()
+
     def cancel(self) -> None:
-        for task in self._reports:
+        for task in [*self._reports, *self._asking.values()]:
             task.cancel()
 
     async def _ask(self, check: SpotCheck, address: str) -> SpotCheckAnswer | str:

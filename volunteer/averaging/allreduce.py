@@ -104,9 +104,10 @@ class Averager:
         )
         self.sender = Sender(key=key, credential=credential, config=self.config, coder=self._coder)
         # spot-checks: the samples of this peer's own gradients, served to checkers; as a checker, the
-        # suspect wanted per round id, and its copy of my part kept (my part's bounds, the values)
+        # suspect wanted per round id (and the event its copy's arrival sets), and its copy of my part kept
+        # (my part's bounds, the values)
         self.samples = SampleLog(run_id, tracker_public_key)
-        self.wanted: dict[str, str] = {}
+        self.wanted: dict[str, tuple[str, asyncio.Event]] = {}
         self.kept: dict[str, tuple[int, int, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ public
@@ -151,8 +152,9 @@ class Averager:
             raise
         output = rnd.output
         assert output is not None
-        if rnd.reducer is not None and tag == "grad":  # a spot-check of a member's copy of my part
-            rnd.reducer.keep = self.wanted.pop(assignment.round_id, None)
+        if rnd.reducer is not None and tag == "grad" and assignment.round_id in self.wanted:
+            # a spot-check of a member's copy of my part
+            rnd.reducer.keep, rnd.reducer.arrived = self.wanted.pop(assignment.round_id)
         failed: dict[int, str] = {}
         await self.owner.open(rnd)
         try:

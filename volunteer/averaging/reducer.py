@@ -78,10 +78,11 @@ class PartReducer:
     outcome: PartOutcome | None = None
     more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
     complete: asyncio.Event = field(default_factory=asyncio.Event)  # every frame is in, or never will be
-    keep: str | None = (
-        None  # a spot-check's suspect: its copy is kept (``kept``, float32) when the part closes
-    )
+    # a spot-check's suspect: its copy is kept (``kept``, float32) when the part closes, and ``arrived`` is set
+    # once it is in (the checker asks for its samples only then: it has committed to its copy)
+    keep: str | None = None
     kept: np.ndarray | None = None
+    arrived: asyncio.Event | None = None
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
@@ -101,6 +102,8 @@ class PartReducer:
         if self.closed:
             return False
         self.contributions[c.peer_id] = c
+        if c.peer_id == self.keep and self.arrived is not None:
+            self.arrived.set()
         self._check_settled()
         return True
 
