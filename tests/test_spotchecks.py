@@ -119,6 +119,47 @@ async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_o
     assert len(found) >= REJECTIONS_TO_BAR, found
 
 
+class Silent(Volunteer):
+    """Computes honestly but never gives its samples to a checker (its spot-check route answers 404)."""
+
+    def __init__(self, config: VolunteerConfig, emit: ev.Emit) -> None:
+        def event(e: ev.Event) -> None:
+            if isinstance(e, ev.Joined):
+                assert self._run is not None
+                self._run.averager.samples.answer = lambda step: None
+            emit(e)
+
+        super().__init__(config, emit=event)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_volunteer_that_never_gives_its_samples_is_barred_after_unanswered_checks(tmp_path):
+    async with published_run(
+        tmp_path, averaging={"codec": "int8", "group_size": GROUP, "spot_checks": 1.0}, target_batch_size=64
+    ) as run:
+        steps = 24
+        honest = [
+            Volunteer(config(run, tmp_path, f"honest-{i}", 100 + i, max_steps=steps), emit=lambda e: None)
+            for i in range(GROUP - 1)
+        ]
+        silent = Silent(config(run, tmp_path, "silent", 7, max_steps=None), emit=lambda e: None)
+        results = await asyncio.wait_for(
+            asyncio.gather(*(v.run() for v in honest), silent.run(), return_exceptions=True), 280
+        )
+        for r in results:
+            assert not isinstance(r, BaseException), repr(r)
+        async with TrackerClient(run.tracker.url) as client:
+            status = await client.status(run.spec.run_id)
+    # 3 unanswered checks in a row count as one rejection: barred at the second, from another accuser
+    assert "spot-checks" in (results[-1].ended or ""), results[-1]
+    credits = {c.public_key: c for c in status.credits}
+    bad = credits[silent._me.key.public_hex]
+    assert (bad.verified, bad.rejected) == (0, REJECTIONS_TO_BAR), bad
+    assert all(credits[v._me.key.public_hex].rejected == 0 for v in honest)
+    assert all(r.steps_done == steps for r in results[:-1]), [r.steps_done for r in results]
+
+
 # ---------------------------------------------------------------------------------------------- the rules
 
 
