@@ -243,8 +243,9 @@ def recompute(trainer: Trainer, batches: Sequence, a: int, b: int) -> tuple[np.n
         if offset < b and offset + p.numel() > a:
             spans.append((offset, p))
         offset += p.numel()
-    first = spans[0][0]
-    sums = [torch.zeros_like(p) for _, p in spans]
+    sums: list[torch.Tensor] | None = (
+        None  # (the first micro-batch's gradients: no buffer of zeros beside them)
+    )
     trainer.model.train()
     total, samples = 0.0, 0
     for batch in batches:
@@ -254,10 +255,19 @@ def recompute(trainer: Trainer, batches: Sequence, a: int, b: int) -> tuple[np.n
         with trainer._autocast():
             loss = trainer.recipe.loss(trainer.model, x, y)
         grads = torch.autograd.grad(loss * n, [p for _, p in spans], allow_unused=True)
-        for acc, g in zip(sums, grads, strict=True):
-            if g is not None:
+        got = [torch.zeros_like(p) if g is None else g for g, (_, p) in zip(grads, spans, strict=True)]
+        if sums is None:
+            sums = got
+        else:
+            for acc, g in zip(sums, got, strict=True):
                 acc += g
+        del grads, got
         total += float(loss.detach()) * n
         samples += n
-    flat = torch.cat([g.reshape(-1) for g in sums]) / max(samples, 1)
-    return flat[a - first : b - first].detach().cpu().numpy(), total
+    assert sums is not None  # (a check names at least one sample)
+    out = np.empty(b - a, dtype=np.float32)  # each parameter's overlap with [a, b), copied once
+    for (offset, _), g in zip(spans, sums, strict=True):
+        lo, hi = max(a, offset), min(b, offset + g.numel())
+        out[lo - a : hi - a] = g.reshape(-1)[lo - offset : hi - offset].detach().cpu().numpy()
+    out /= max(samples, 1)
+    return out, total
