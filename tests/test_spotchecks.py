@@ -6,6 +6,7 @@ process, so every volunteer is "this machine": an accuser is a checker's key, tr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import msgspec
@@ -347,3 +348,21 @@ def test_a_verdict_comes_within_eight_steps_of_its_draw_or_is_refused(tmp_path):
     late, late_checker = drawn(checks, KEEP_STEPS, ids)  # the newest are kept
     msg = SpotCheckVerdict(peer_id=late_checker, step=KEEP_STEPS, suspect=late, outcome="match")
     assert checks.verdict(msg, late_checker * 4, "host-1", "conformance-abc123") is None
+
+
+def test_a_check_compares_a_random_window_of_whole_frames_of_at_most_check_values():
+    from crowdtrain.volunteer.spotcheck import CHECK_VALUES, window
+
+    rng = random.Random(1)
+    assert window(1000, 1 << 20, rng) == [(0, 1000)]  # a small part: all of it
+    frame = 1 << 20
+    n = 10 * CHECK_VALUES + 123
+    starts = set()
+    for _ in range(50):
+        frames = window(n, frame, rng)
+        assert sum(b - a for a, b in frames) <= CHECK_VALUES
+        assert all(a % frame == 0 and b == min(a + frame, n) for a, b in frames)
+        assert all(f[1] == g[0] for f, g in itertools.pairwise(frames))  # contiguous
+        starts.add(frames[0][0])
+    assert len(starts) > 10  # drawn at random over the part, the last (short) frame included
+    assert window(5 * frame, 8 * CHECK_VALUES, rng) == [(0, 5 * frame)]  # frames above the window: one

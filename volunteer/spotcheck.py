@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.protocol.peerauth import sign_headers
 from crowdtrain.volunteer.averaging.samples import PURPOSE
+from crowdtrain.volunteer.averaging.wire import KeptPart
 
 if TYPE_CHECKING:
     from crowdtrain.volunteer.joined import JoinedRun
@@ -63,6 +65,9 @@ log = logging.getLogger(__name__)
 GRAD_TOLERANCE = 0.5  # relative L2 distance between the copy and the recomputed gradient, beyond a step
 LOSS_TOLERANCE = 0.02  # relative distance between the losses
 ASK_TIMEOUT_S = 10.0  # the suspect's answer, from the request
+CHECK_VALUES = (
+    1 << 22
+)  # values of a part compared at most (16 MB of float32): a random window of whole frames
 ANSWER_WAIT_S = 1.0  # how long this peer's step waits for it after the round (a frozen suspect: unanswered)
 ANSWER_LIMITS = Limits(max_json_bytes=32 * MAX_CHECKED_SAMPLES)
 
@@ -75,6 +80,7 @@ class Checker:
         self._reports: set[asyncio.Task[None]] = set()
         self._asking: dict[str, asyncio.Task[SpotCheckAnswer | str]] = {}  # round id -> the suspect's answer
         self._sampler: Sampler | None = None
+        self._rng = random.SystemRandom()
 
     def wants(self, check: SpotCheck, group: GroupAssignment) -> None:
         """Before the round: keep the suspect's copy of my part of the step's first phase, and ask the suspect
@@ -163,8 +169,12 @@ class Checker:
             return f"answered for step {answer.step}"
         return answer
 
-    def _compare(self, answer: SpotCheckAnswer, kept: tuple[int, int, np.ndarray]) -> tuple[SpotOutcome, str]:
-        """Recompute (in a thread) and compare; returns the outcome and its figures."""
+    def _compare(
+        self, answer: SpotCheckAnswer, kept: tuple[int, int, np.ndarray | KeptPart]
+    ) -> tuple[SpotOutcome, str]:
+        """Recompute (in a thread) and compare; returns the outcome and its figures. The values compared are a
+        window of at most CHECK_VALUES of my part, drawn at random (a cheater cannot know which), so what a
+        check holds in memory does not grow with the model."""
         run = self.run
         if self._sampler is None:
             cut = run.sample_cut()
@@ -176,16 +186,28 @@ class Checker:
         holdout = len(run.spec.dataset.manifest.chunks) - run.spec.eval.holdout_chunks
         if run.spec.eval.every and any(i >= holdout for i, _ in named):
             return "mismatch", "it named samples of the held-out chunks"
-        a, b, copy_values = kept
+        a, b, copy = kept
         stop = min(b, trainer.param_numel)  # the gradient's values of my part (the buffers' follow)
         if stop <= a:
             return "unverifiable", "my part holds no gradient values"
+        frames = window(stop - a, copy.step if isinstance(copy, KeptPart) else 1 << 20, self._rng)
         # (a sample of a chunk this peer does not hold yet: DatasetError, "unverifiable")
         batches = [self._sampler.rebuild(batch) for batch in answer.batches]
-        grad, loss_sum = recompute(trainer, batches, a, stop)
-        raw, distance = apart(copy_values[: stop - a], grad, run.spec.averaging.codec)
+        lo, hi = frames[0][0], frames[-1][1]
+        mine, loss_sum = recompute(trainer, batches, a + lo, a + hi)
+        sums = np.zeros(3)  # Σ mine², Σ (sent − mine)², Σ beyond a step²
+        for fa, fb in frames:  # (an int8 copy's blocks start at each frame)
+            # (a kept copy decodes whole frames; the last may hold buffers' values past the gradient's)
+            sent = (
+                copy.values(fa, min(fa + copy.step, copy.length))
+                if isinstance(copy, KeptPart)
+                else copy[fa:fb]
+            )
+            sums += squares(sent[: fb - fa], mine[fa - lo : fb - lo], run.spec.averaging.codec)
+        norm = math.sqrt(sums[0])
+        raw, distance = (math.sqrt(x) / norm if norm > 0 else math.sqrt(x) for x in sums[1:])
         loss_off = abs(answer.loss_sum - loss_sum) / max(abs(loss_sum), 1e-6)
-        detail = f"gradient {distance:.4f} apart ({raw:.4f} raw), loss {loss_off:.4f}"
+        detail = f"gradient {distance:.4f} apart ({raw:.4f} raw, {hi - lo} values), loss {loss_off:.4f}"
         if math.isfinite(distance) and distance <= GRAD_TOLERANCE and loss_off <= LOSS_TOLERANCE:
             return "match", detail
         return "mismatch", detail
@@ -210,26 +232,36 @@ class Checker:
         task.add_done_callback(self._reports.discard)
 
 
-def apart(sent: np.ndarray, mine: np.ndarray, codec: str) -> tuple[float, float]:
-    """How far a member's copy of a part (``sent``, decoded) is from the gradient recomputed here (``mine``),
-    relative to the latter's norm: raw, and beyond what the codec explains. An int8 copy is quantised per
-    block of INT8_BLOCK values (from the part's start) to steps of the block's absmax ÷ 127 (a block with one
-    large value quantises its small ones to nothing), and carries the sender's error feedback: half a step
-    now, and the residual of its previous round, under half a step of a block that may have been cut
-    elsewhere (parts move between rounds) and held a larger value. Only what lies beyond one step of the
-    value's block counts; honest copies were still up to 0.31 beyond it (0.34 raw), see the module."""
-    norm = float(np.linalg.norm(mine))
+def window(n: int, frame: int, rng: random.Random) -> list[tuple[int, int]]:
+    """The frames ``[start, stop)`` of a random window of at most CHECK_VALUES of a part's first ``n`` values
+    (whole frames of ``frame`` values, as the part was sent; at least one frame)."""
+    count = -(-n // frame)
+    take = max(1, min(count, CHECK_VALUES // frame))
+    first = rng.randrange(count - take + 1)
+    return [(k * frame, min((k + 1) * frame, n)) for k in range(first, first + take)]
+
+
+def squares(sent: np.ndarray, mine: np.ndarray, codec: str) -> np.ndarray:
+    """For one frame of a member's copy (``sent``, decoded) and the gradient recomputed here (``mine``): Σ
+    mine², Σ (sent − mine)², and Σ of what lies beyond what the codec explains, squared. An int8 copy is
+    quantised per block of INT8_BLOCK values (from the frame's start) to steps of the block's absmax ÷ 127 (a
+    block with one large value quantises its small ones to nothing), and carries the sender's error feedback:
+    half a step now, and the residual of its previous round, under half a step of a block that may have
+    been cut elsewhere (parts move between rounds) and held a larger value. Only what lies beyond one step
+    of the value's block counts; honest copies were still up to 0.31 beyond it (0.34 raw), see the module."""
     diff = np.abs(sent - mine)
-    raw = float(np.linalg.norm(diff)) / norm if norm > 0 else float(np.linalg.norm(sent))
+    out = np.array([np.dot(mine, mine), np.dot(diff, diff), 0.0], dtype=np.float64)
     if codec != "int8":
-        return raw, raw
+        out[2] = out[1]
+        return out
     n = sent.size
     blocks = -(-n // INT8_BLOCK)
     padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
     padded[:n] = np.abs(sent)
     step = np.repeat(padded.reshape(blocks, INT8_BLOCK).max(axis=1) / np.float32(127.0), INT8_BLOCK)[:n]
     beyond = np.maximum(diff - step, 0.0)
-    return raw, float(np.linalg.norm(beyond)) / norm if norm > 0 else float(np.linalg.norm(beyond))
+    out[2] = np.dot(beyond, beyond)
+    return out
 
 
 def recompute(trainer: Trainer, batches: Sequence, a: int, b: int) -> tuple[np.ndarray, float]:

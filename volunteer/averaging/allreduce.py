@@ -67,7 +67,7 @@ from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
 from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
-from crowdtrain.volunteer.averaging.wire import Coder
+from crowdtrain.volunteer.averaging.wire import Coder, KeptPart
 from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
 
 
@@ -108,7 +108,7 @@ class Averager:
         # (my part's bounds, the values)
         self.samples = SampleLog(run_id, tracker_public_key)
         self.wanted: dict[str, tuple[str, asyncio.Event]] = {}
-        self.kept: dict[str, tuple[int, int, np.ndarray]] = {}
+        self.kept: dict[str, tuple[int, int, np.ndarray | KeptPart]] = {}
 
     # ------------------------------------------------------------------ public
 

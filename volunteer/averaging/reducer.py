@@ -78,10 +78,11 @@ class PartReducer:
     outcome: PartOutcome | None = None
     more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
     complete: asyncio.Event = field(default_factory=asyncio.Event)  # every frame is in, or never will be
-    # a spot-check's suspect: its copy is kept (``kept``, float32) when the part closes, and ``arrived`` is set
-    # once it is in (the checker asks for its samples only then: it has committed to its copy)
+    # a spot-check's suspect: its copy is kept (``kept``: as it arrived, float32 or its codec's payload; no
+    # longer this reducer's to reuse or scale) when the part closes, and ``arrived`` is set once it is in
+    # (the checker asks for its samples only then: it has committed to its copy)
     keep: str | None = None
-    kept: np.ndarray | None = None
+    kept: np.ndarray | KeptPart | None = None
     arrived: asyncio.Event | None = None
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
@@ -119,8 +120,9 @@ class PartReducer:
         """Close the part (later copies are refused) and decide its outcome; returns the terms of the mean,
         to be reduced into ``out`` slice by slice (empty when nothing with a weight arrived)."""
         self.closed = True
-        if self.keep is not None:  # (before the mean scales the copies in place)
-            self.kept = self.copy_of(self.keep)
+        kept = self.contributions.get(self.keep) if self.keep is not None else None
+        if kept is not None and kept.values is not None:  # (before the mean could scale it in place)
+            self.kept, kept.storage = kept.values, None  # not owned: the mean reads it, the next round won't
         terms, clipped, reason = self.plan()  # every norm is known: clipping is decided before any slice
         done = set(self.contributions) | set(self.rejected)
         self.outcome = PartOutcome(
@@ -134,16 +136,6 @@ class PartReducer:
         )
         self.done.set()
         return terms
-
-    def copy_of(self, peer_id: str) -> np.ndarray | None:
-        """A member's copy of the part as it arrived, decoded to float32 (None: none with values came)."""
-        c = self.contributions.get(peer_id)
-        if c is None or c.values is None:
-            return None
-        if isinstance(c.values, KeptPart):
-            kept, n = c.values, c.values.length
-            return np.concatenate([kept.values(a, min(a + kept.step, n)) for a in range(0, n, kept.step)])
-        return np.array(c.values, dtype=np.float32, copy=True)
 
     def abandon(self, reason: str) -> None:
         """End the part now, if its outcome is not decided yet, as failed: waiting senders are answered."""
