@@ -58,6 +58,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--delay", type=int, default=0, choices=(0, 1), help="[averaging] delay of the runs")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="each stall: the phase it began in, what it cost")
+    ap.add_argument(
+        "--events",
+        type=Path,
+        help="with --timeline: a folder; each run's stalls and events go to <scenario>-<rule>.txt there",
+    )
     args = ap.parse_args()
     args.scenarios = args.scenarios.split(",")
     args.rules = args.rules.split(",")
@@ -113,7 +119,11 @@ def _computing_a_new_step(events: list[Any]) -> bool:
     )
 
 
+STALLS: list[tuple[int, float, float]] = []  # (pid, wall start, wall end) of each stall made (--timeline)
+
+
 async def _stop_for(pid: int, seconds: float) -> None:
+    STALLS.append((pid, time.time(), time.time() + seconds))
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -179,6 +189,9 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.proc.pid, signal.SIGCONT)
             await stop_all(procs)
+    if args.timeline:
+        timeline(procs, None if args.events is None else args.events / f"{scenario}-{rule}.txt")
+    STALLS.clear()
     closed = sorted(records.values(), key=lambda r: r.step)
     window = [r for r in closed if r.step >= 1]
     span = window[-1].closed_at - window[0].closed_at if len(window) > 1 else float("nan")
@@ -200,6 +213,43 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
         "median": statistics.median(medians) if medians else float("nan"),
         "dropped": dropped,
     }
+
+
+def timeline(procs: list[Proc], events: Path | None) -> None:
+    """Each stall (heavy-tail): the stalled volunteer's phase as it began, and the longest step another
+    volunteer finished during it or within a second after; then that step's mean per phase."""
+    from crowdtrain.volunteer import events as ev
+
+    by_pid = {p.proc.pid: p for p in procs if p.proc is not None}
+    if events is not None:
+        with events.open("w") as f:
+            for pid, start, end in STALLS:
+                f.write(f"{start:.3f} STALL {by_pid[pid].name} until {end:.3f}\n")
+            for p in procs:
+                for e in p.events:
+                    fields = {k: getattr(e, k) for k in getattr(e, "__slots__", ()) if k != "t"}
+                    f.write(f"{e.t:.3f} {p.name} {type(e).__name__} {str(fields)[:300]}\n")
+    cost: dict[str, list[float]] = {}
+    for pid, start, end in STALLS:
+        me = by_pid[pid]
+        phases = [e for e in me.events if isinstance(e, ev.PhaseChanged) and e.t <= start]
+        phase = phases[-1].phase if phases else "?"
+        steps = [
+            b.t - a.t
+            for p in procs
+            if p is not me
+            for a, b in itertools.pairwise([e for e in p.events if isinstance(e, ev.StepDone)])
+            if b.t > start and a.t < end + 1.0
+        ]
+        longest = max(steps, default=float("nan"))
+        cost.setdefault(phase, []).append(longest)
+        print(
+            f"  stall {me.name} {start % 1000:8.2f}-{end % 1000:8.2f} in {phase:18s} longest step {longest:.2f}"
+        )
+    for phase, c in sorted(cost.items()):
+        print(
+            f"  {phase:18s} {len(c):3d} stalls, longest step of the others: mean {statistics.fmean(c):.2f} s"
+        )
 
 
 HEADER = ("scenario", "straggler rule", "steps", "steps/min", "× none", "median step s", "longest step s",

@@ -383,6 +383,8 @@ class StepWatch(Message, frozen=True, kw_only=True):
     # watch waited (a peer left, or stopped computing): a peer at its allotment heartbeats for a share of
     # them (None: nothing was freed, or a tracker that does not say)
     free: int | None = None
+    # a roll call (issue 27): some peer owes samples while others wait; every live volunteer heartbeats now
+    report: bool = False
 
 
 class LeaveRequest(Message, frozen=True, kw_only=True):
@@ -523,6 +525,9 @@ class DonorList(Message, frozen=True, kw_only=True):
     serving: int = 0  # peers serving some state of the run, listed or not
     # when ``state`` is None although ``serving`` > 0: why none is listed (wait and ask again)
     reason: str | None = None
+    # the other reachable peers serving some state of the run, newest state first: a peer that missed a few
+    # steps asks them, with ``donors``, for those steps' averages (volunteer/averaging/averages.py)
+    peers: list[Donor] = []
 
 
 class StateManifest(Message, frozen=True, kw_only=True):

@@ -15,7 +15,7 @@ import pytest
 
 from crowdtrain.protocol import peerauth
 from crowdtrain.protocol.codecs import Codec, Compressor
-from crowdtrain.protocol.credentials import SigningKey, issue_credential
+from crowdtrain.protocol.credentials import SigningKey, issue_credential, sign_assignment
 from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import replace
 from crowdtrain.volunteer.averaging import AveragingConfig, part_bounds
@@ -23,7 +23,7 @@ from crowdtrain.volunteer.averaging.wire import HEADER_ELEMENTS, HEADER_WEIGHT
 from crowdtrain.volunteer.events import RoundDone, RoundFailed
 from tests.frames import encode_frame
 from tests.harness import until
-from tests.test_allreduce import RUN, Peer, assign, run_round, start_peer, start_peers, weighted_mean
+from tests.test_allreduce import RUN, TRACKER, Peer, assign, run_round, start_peer, start_peers, weighted_mean
 
 N = 3000
 
@@ -337,6 +337,33 @@ async def test_dead_part_owner_makes_senders_keep_local_values(how):
             assert r.dropped == ("p2",)
         done = [e for e in peers[0].events if isinstance(e, RoundDone)]
         assert done[-1].failed_parts == (2,) and done[-1].dropped == ("p2",)
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_member_that_sends_after_the_parts_closed_learns_its_values_are_not_the_groups():
+    """Issue 27: p2 got its assignment and fell asleep before sending anything (its server holds the others'
+    copies of its part unanswered, as a stopped process's kernel does). p0 and p1 close their parts at the
+    deadline without p2's copy and keep their own values of p2's part (the engine zeroes them, as every member
+    that lost it does). Waking (its own signed copy of the assignment gives it a later deadline here, so its
+    call starts), p2's copies are refused with 410: its result says it came late, and the engine catches up
+    instead of applying values that are not the group's."""
+    config = AveragingConfig(assignment_wait_s=60.0, grace_s=0.5)
+    peers = await start_peers(3, config)
+    try:
+        rng = np.random.default_rng(27)
+        vectors = [rng.standard_normal(N).astype(np.float32) for _ in peers]
+        assignment = assign(peers, [1, 1, 1], deadline_s=1.0)
+        results = await asyncio.wait_for(run_round(peers[:2], assignment, vectors[:2], [1, 1]), 10.0)
+        for r, own in zip(results, vectors[:2], strict=True):
+            assert r.failed_parts == (2,) and r.dropped == ("p2",) and not r.late
+            start = part_bounds(N, 3)[2][0]
+            np.testing.assert_array_equal(r.values[start:], own[start:])
+        later = sign_assignment(TRACKER, replace(assignment, deadline=time.time() + 30.0, signature=""))
+        woke = await asyncio.wait_for(peers[2].averager.allreduce(later, vectors[2], 1.0), 20.0)
+        assert woke.late and woke.failed_parts == (0, 1)
+        assert all("410" in woke.reasons[f"part {j}"] for j in (0, 1))
     finally:
         for p in peers:
             await p.stop()

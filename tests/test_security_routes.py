@@ -467,6 +467,25 @@ def spot_attack(
     return attack
 
 
+def average_attack(
+    *,
+    who: str = "c",
+    cred: Callable[[World, Member], Credential] = lambda w, m: m.credential,
+    sign_key: Callable[[World, Member], SigningKey] = lambda w, m: m.key,
+    signed_step: int = 3,
+    signed_what: str = "grad",
+    stale: bool = False,
+    headers_off: bool = False,
+) -> Attack:
+    async def attack(w: World) -> tuple[int, str]:
+        m = w.stranger if who == "stranger" else w.members[who]
+        make = stale_headers if stale else sign_headers
+        headers = {} if headers_off else make(sign_key(w, m), cred(w, m), "average", signed_step, signed_what)
+        return await call(w, "GET", f"{w.peer_url}/v1/average/3/grad", headers)
+
+    return attack
+
+
 def peer_cases(make: Callable[..., Attack], **kw: Any) -> dict[str, tuple[int, Attack]]:
     return {
         "no authentication headers": (401, make(headers_off=True, **kw)),
@@ -504,6 +523,12 @@ PEER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         **peer_cases(spot_attack),
         "signature for another step replayed": (401, spot_attack(signed_step=2)),
         "valid": (0, spot_attack()),
+    },
+    ("GET", "/v1/average/{step}/{what}"): {
+        **peer_cases(average_attack),
+        "signature for another step replayed": (401, average_attack(signed_step=2)),
+        "signature for the parameters replayed for the gradient": (401, average_attack(signed_what="params")),
+        "valid": (0, average_attack()),
     },
 }
 

@@ -103,3 +103,57 @@ async def test_a_volunteer_frozen_20_s_stalls_no_one_and_takes_the_steps_after_i
     # (the engine's flat order: parameters sorted by name)
     flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
     np.testing.assert_array_equal(flat, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_averages_on_its_own_state(
+    tmp_path,
+):
+    """Issue 27: asleep while it computes its share (a lid closed for a moment), the volunteer is written off
+    by a roll call and the others go on. Waking a few steps later, it hears it missed them, fetches their
+    averages from the others (each from two that agree) and replays them on the state it kept, instead of
+    fetching the whole state; it then takes the next steps with the others, on their parameters."""
+    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0}
+    async with published_run(
+        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
+    ) as run:
+        recs = [Recorder() for _ in range(3)]
+        others = volunteers(run, tmp_path, 3, name="awake", seed=310, record=recs)
+        tasks = [asyncio.create_task(v.run()) for v in others]
+        sleeper = await VolunteerProcess.start(
+            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
+        )
+        try:
+            await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
+            await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
+            os.kill(sleeper.proc.pid, signal.SIGSTOP)
+            frozen_at, frozen_step = time.time(), min(v.step for v in others)
+            try:
+                while min(v.step for v in others) < frozen_step + 2:  # (the others step without it)
+                    await asyncio.sleep(0.05)
+            finally:
+                os.kill(sleeper.proc.pid, signal.SIGCONT)
+            woke_at = time.time()
+            await sleeper.wait_for(
+                lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 3, 120
+            )
+        finally:
+            await sleeper.stop()
+            for v in others:
+                v.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    assert [e for e in sleeper.of(ev.StepMissed) if e.t > frozen_at], sleeper.tail()
+    rejoined = [
+        e.message for e in sleeper.of(ev.LogLine) if "rejoined at step" in e.message and e.t > woke_at
+    ]
+    assert rejoined, sleeper.tail()
+    assert not [e for e in sleeper.of(ev.StateLoaded) if e.t > frozen_at], "it fetched the whole state"
+    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
+    theirs = recs[0].params.get(kept.step)
+    assert theirs is not None, (kept.step, sorted(recs[0].params)[-3:])
+    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
+    model.load_state_dict(kept.model_state)
+    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
+    np.testing.assert_array_equal(flat, theirs)

@@ -426,10 +426,12 @@ async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(adm
         donors = await admin.donors(run_id)
         assert (donors.state.step, donors.state.content_hash) == (1, "aa" * 32)
         assert sorted(d.peer_id for d in donors.donors) == sorted([va.peer_id, vc.peer_id])
+        # the other peers serving state are listed beside them (asked for the averages of missed steps)
+        assert [d.peer_id for d in donors.peers] == [vb.peer_id]
         # a peer's older snapshot backs a version too
         await vb.declare_state(2, "bb" * 32, 11, older=((1, "aa" * 32, 10),))
         donors = await admin.donors(run_id)
-        assert donors.state.step == 1 and len(donors.donors) == 3
+        assert donors.state.step == 1 and len(donors.donors) == 3 and donors.peers == []
         # two hashes for step 2, one backer each: a tie is no choice, the older agreed version stays
         await va.declare_state(2, "cc" * 32, 11, older=((1, "aa" * 32, 10),))
         assert (await admin.donors(run_id)).state.step == 1

@@ -151,13 +151,16 @@ class Donors:
             version, chosen = ranked[0]
             if len(chosen) < need or (len(ranked) > 1 and len(ranked[1][1]) == len(chosen)):
                 continue
+            others = sorted(
+                {p.peer_id: p for held_by in backers.values() for p in held_by if p not in chosen}.values(),
+                key=lambda p: max(v.step for v in p.offer.states),
+                reverse=True,
+            )
             return DonorList(
                 state=version,
-                donors=[
-                    Donor(peer_id=p.peer_id, address=p.reach.address or "", public_key=p.public_key)
-                    for p in chosen[:limit]
-                ],
+                donors=[_donor(p) for p in chosen[:limit]],
                 serving=serving,
+                peers=[_donor(p) for p in others[:limit]],
             )
         return DonorList(
             state=None,
@@ -168,3 +171,7 @@ class Donors:
                 f"{need} of them with no other content hash held as often); ask again after the next step"
             ),
         )
+
+
+def _donor(p: Peer) -> Donor:
+    return Donor(peer_id=p.peer_id, address=p.reach.address or "", public_key=p.public_key)

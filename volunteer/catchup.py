@@ -2,6 +2,11 @@
 while it keeps taking part in its group's rounds with weight 0; the averages it receives meanwhile are kept
 (:class:`Replay`) and replayed once the fetched state is loaded, so it ends exactly where the others are.
 
+One that missed only a few steps (asleep when they closed: a lid closed, SIGSTOP; issue 27) holds the state
+of the step it missed: with delay 0 it fetches the averages of the steps since from peers, each from two
+that agree (:mod:`crowdtrain.volunteer.averaging.averages`), and replays them on its own state instead of
+fetching the whole state; where peers no longer keep one of them, it fetches the state.
+
 When no peer serves the run's state it resumes from its own kept state, the publisher's checkpoint, or the
 initial parameters while the run has taken no step; failing all it waits and says why: a run that has taken
 steps never restarts from the initial parameters.
@@ -19,6 +24,7 @@ import numpy as np
 
 from crowdtrain.protocol.errors import ProtocolError, StateSyncError, TrackerError
 from crowdtrain.protocol.messages import DonorList
+from crowdtrain.volunteer.averaging.averages import KEEP_STEPS, fetch_average
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
 from crowdtrain.volunteer.snapshots import Snapshotter
@@ -39,9 +45,18 @@ def state_bound(model, ceiling: int) -> int:  # model: torch.nn.Module
     return min(ceiling, STATE_PER_MODEL_BYTE * own + STATE_HEADER_BYTES)
 
 
+# An average two peers do not keep yet (its round is still under way there) is asked for again ABSENT_TRIES
+# times, ABSENT_WAIT_S apart.
+ABSENT_TRIES = 20
+ABSENT_WAIT_S = 0.1
+AVERAGES_WAIT_S = 15.0  # fetching the averages of missed steps takes at most this long (then: the state)
 # A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
 STATE_POLL_S = 5.0
 WAIT_STATE_S = 2.0  # no peer serves the run's state: ask again this often
+
+
+class OwnState:
+    """What a catch-up fetched when it is to replay on this peer's own state (the averages are in the replay)."""
 
 
 class Replay:
@@ -109,7 +124,7 @@ class CatchUp:
         self.snaps = snaps
         self._drop = drop
         self.replay = Replay(run.state_dir)
-        self._pending: asyncio.Task[Path | None] | None = None  # the fetch under way
+        self._pending: asyncio.Task[Path | OwnState | None] | None = None  # the fetch under way
         self.waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
 
     @property
@@ -170,9 +185,64 @@ class CatchUp:
             step_s = self.snaps.step_s
             await asyncio.sleep(min(STATE_POLL_S, max(0.2, step_s / 2)) if step_s else 1.0)
 
-    async def _fetch(self, replay_from: int, after_s: float) -> Path | None:
+    async def _fetch_averages(self) -> bool:
+        """:meth:`_fetch_missed`, within AVERAGES_WAIT_S (then the state is fetched)."""
+        try:
+            async with asyncio.timeout(AVERAGES_WAIT_S):
+                return await self._fetch_missed()
+        except TimeoutError:
+            return self._no_averages(f"they did not come within {AVERAGES_WAIT_S:.0f} s")
+
+    async def _fetch_missed(self) -> bool:
+        """Delay 0, a peer that took steps and missed at most KEEP_STEPS: put the averages of the steps from its
+        own state's on into the replay, each from two peers that agree, until every step up to the first it
+        keeps (as a member with weight 0) is in. False when it cannot (it then fetches the state)."""
+        run, replay = self.run, self.replay
+        if run.delay or not run.summary.steps_done:
+            return False
+        size, spec = run.trainer.numel, run.spec.averaging
+        every = 0 if spec.local else spec.average_state_every
+        for _ in range(2 * KEEP_STEPS):  # (the run moves on meanwhile; each pass fetches what it passed)
+            end = replay.first if replay.first is not None else run.pos.step
+            missing = [s for s in range(run.pos.applied, end) if s not in replay]
+            if not missing:
+                return True
+            if end - run.pos.applied > KEEP_STEPS:
+                return self._no_averages(f"it missed {end - run.pos.applied} steps, peers keep {KEEP_STEPS}")
+            listed = await run.tracker.donors(run.config.run_id)
+            donors = [d for d in [*listed.donors, *listed.peers] if d.peer_id != run.peer_id]
+            for s in missing:
+                grad = await fetch_average(donors, s, "grad", size, run.key, run.credential)
+                for _ in range(ABSENT_TRIES):  # (the round of a step that just formed may be under way there)
+                    if not isinstance(grad, str):  # (an average, or None: no two agree; a str is ABSENT)
+                        break
+                    await asyncio.sleep(ABSENT_WAIT_S)
+                    grad = await fetch_average(donors, s, "grad", size, run.key, run.credential)
+                if not isinstance(grad, np.ndarray):
+                    return self._no_averages(
+                        f"no two of {len(donors)} peers sent the same average of step {s}"
+                    )
+                params: np.ndarray | None = None
+                if every > 0 and (s + 1) % every == 0:
+                    # (ABSENT: the step's parameter average was partial, and its members kept their own)
+                    got = await fetch_average(donors, s, "params", size, run.key, run.credential)
+                    if got is None:
+                        return self._no_averages(
+                            f"no two of {len(donors)} peers sent the same parameters of step {s}"
+                        )
+                    params = got if isinstance(got, np.ndarray) else None
+                await asyncio.to_thread(replay.put, s, grad, params)
+        return self._no_averages("the run kept moving on while they were fetched")
+
+    def _no_averages(self, why: str) -> bool:
+        self.run.note(logging.INFO, "fetching the state, not the averages of the steps missed: %s", why)
+        return False
+
+    async def _fetch(self, replay_from: int, after_s: float) -> Path | OwnState | None:
         if after_s:
             await asyncio.sleep(after_s)
+        if await self._fetch_averages():
+            return OwnState()
         donors = await self._newest_donors(replay_from)
         if donors.state is None and donors.serving:
             raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
@@ -218,12 +288,15 @@ class CatchUp:
         task, self._pending = self._pending, None
         if task is None:  # (called once a fetch is done: there is one)
             return
-        fetched: Path | None = None
+        fetched: Path | OwnState | None = None
         try:
             fetched = task.result()
+            if isinstance(fetched, OwnState):
+                await self._replay_own()
+                return
             header = None if fetched is None else await asyncio.to_thread(read_snapshot_header, fetched)
         except (StateSyncError, TrackerError, ProtocolError) as exc:
-            if fetched is not None:
+            if isinstance(fetched, Path):
                 fetched.unlink(missing_ok=True)
             self.replay.clear()
             # Its parameters are not the run's: keep taking part with weight 0 and try again.
@@ -279,6 +352,30 @@ class CatchUp:
             "loaded the state of step %d and replayed %d steps",
             loaded.step,
             max(0, target - loaded.step),
+        )
+        run.phase("training")
+
+    async def _replay_own(self) -> None:
+        """Replay the fetched and kept averages on this peer's own state (delay 0): it ends where the
+        others are; if the run passed a step that is not in the replay, fetch again."""
+        run, replay = self.run, self.replay
+        first, target = run.pos.applied, run.pos.step
+        missing = [s for s in range(first, target) if s not in replay]
+        if missing:
+            self.start()
+            return
+        self._drop()
+        await self._replay_steps(first, target)
+        run.pos.applied = target
+        replay.clear()
+        self.waiting = None
+        run.summary.caught_up_to = run.pos.step
+        await run.record_params()
+        run.note(
+            logging.INFO,
+            "rejoined at step %d: replayed the averages of %d steps, fetched from peers, on its own state",
+            target,
+            target - first,
         )
         run.phase("training")
 

@@ -278,8 +278,7 @@ class Training:
             self._shown = ""
         else:
             return
-        if self.link.allotment.step != pos.step:  # no share of its new step came with the group: ask now
-            self.link.poke()
+        self.link.poke()  # at once in its new step: its share, and a roll call judges only a peer heard at it
 
     # ------------------------------------------------------------------ the allotment
 

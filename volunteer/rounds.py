@@ -186,15 +186,20 @@ class Rounds:
         the learning rate it was applied with."""
         run = self.run
         trainer = run.trainer
+        averages = run.averager.averages  # (delay 0: kept for peers that miss the step, who replay it)
+        kept = None if run.delay else await asyncio.to_thread(averages.copy, mean)
         async with stepping():
             if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
                 await asyncio.to_thread(trainer.set_flat_params, rnd.params)
             lr = await asyncio.to_thread(trainer.apply, mean, rnd.step)
+        params = None
         if not run.delay and rnd.average_params:
             params = await self.average_params(rnd.phases)
             if params is not None:
                 async with stepping():
                     await asyncio.to_thread(trainer.set_flat_params, params)
+        if kept is not None:
+            await asyncio.to_thread(averages.applied, rnd.step, kept, params)
         return lr
 
     async def _phases(
@@ -225,6 +230,13 @@ class Rounds:
             # a tag per phase: a lossy codec's error feedback stays within what each phase sends
             phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
+            if result.late and tag == "grad":
+                # (the others averaged without my copy of those parts and I got no answer for them: what I
+                # would apply is not what they apply)
+                raise AveragingError(
+                    f"owners had closed their parts before this peer's copies came (it was asleep or too slow) "
+                    f"in phase {a.phase + 1} of {a.phases}"
+                )
             if result.failed_parts:
                 bounds = part_bounds(result.values.size, a.parts, a.part_weights)
                 for part in result.failed_parts:

@@ -14,7 +14,9 @@ then reduces and encodes its part slice by slice and streams each answer sub-fra
 sender as soon as that slice is ready, instead of answering after the whole part is reduced.
 
 Failures are local, never a hang: a copy that arrives after the deadline is dropped and the weights
-renormalised; a copy that fails a check is refused with a 4xx sentence and listed as rejected; a sender
+renormalised (its sender's copies are refused with 410, and its result says ``late``: the others averaged
+without it, so it catches up instead of applying values that are not the group's); a copy that fails a
+check is refused with a 4xx sentence and listed as rejected; a sender
 whose owner fails keeps its own values for that part and lists it in ``failed_parts``. A round returns by
 the deadline plus ``grace_s``. A round fails as a whole (:class:`AveragingError`, after a ``RoundFailed``
 event; one meaning for both) only when it cannot start. Once started it returns, with ``RoundDone``, even when
@@ -62,6 +64,7 @@ from aiohttp import web
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
+from crowdtrain.volunteer.averaging.averages import AverageLog
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
 from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
@@ -107,6 +110,8 @@ class Averager:
         # suspect wanted per round id (and the event its copy's arrival sets), and its copy of my part kept
         # (my part's bounds, the values)
         self.samples = SampleLog(run_id, tracker_public_key)
+        # the averages this peer applied lately, served to peers that missed those steps
+        self.averages = AverageLog(run_id, tracker_public_key)
         self.wanted: dict[str, tuple[str, asyncio.Event]] = {}
         self.kept: dict[str, tuple[int, int, np.ndarray | KeptPart]] = {}
 
@@ -118,7 +123,7 @@ class Averager:
         return self.owner.upload_bps
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(ROUTE, self.owner.handle), *self.samples.routes()]
+        return [web.post(ROUTE, self.owner.handle), *self.samples.routes(), *self.averages.routes()]
 
     async def close(self) -> None:
         await self.sender.close()
@@ -296,6 +301,7 @@ class Averager:
             duration=duration,
             phases=phases,
             reasons=reasons,
+            late=rnd.late,
         )
         self.emit(
             RoundDone(

@@ -3,7 +3,8 @@
 The owner's route takes each member's ``POST`` of its copy: it authenticates the request before saying
 anything about the round, checks the sender against the round's signed group, reads the copy whole (bounded,
 sub-frame by sub-frame, its norm computed as it arrives) into a buffer kept from earlier rounds, and waits.
-The part closes when every member's copy is in or refused, or at the deadline; it is then reduced and encoded
+The part closes when every member's copy is in, refused or cut off (its sender's connection closed in the
+middle of it), or at the deadline; it is then reduced and encoded
 slice by slice in a thread, and every waiting request streams each answer sub-frame as soon as it is ready.
 A copy that fails a check is refused with a 4xx sentence (the table in
 :mod:`~crowdtrain.volunteer.averaging.allreduce`) and listed as rejected.
@@ -418,6 +419,7 @@ class Owner:
         except ProtocolError as exc:
             raise _Refused(400, f"peer {peer}: {exc}") from None
         except (asyncio.IncompleteReadError, ConnectionError, aiohttp.ClientPayloadError):
+            red.gone(peer)  # (it cannot send this copy again: the part does not wait for it)
             raise _Refused(408, f"peer {peer} went away while sending part {red.part}") from None
         rnd.stats.decode_s += time.perf_counter() - t
         rnd.stats.bytes_received += nbytes

@@ -72,6 +72,7 @@ class PartReducer:
     started: set[str] = field(default_factory=set)
     rejected: dict[str, str] = field(default_factory=dict)
     duplicates: set[str] = field(default_factory=set)  # sent a second copy (refused with 409)
+    went: set[str] = field(default_factory=set)  # closed the connection in the middle of its copy
     closed: bool = False
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # every member's copy is in or refused
     done: asyncio.Event = field(default_factory=asyncio.Event)  # ``outcome`` is decided
@@ -108,12 +109,17 @@ class PartReducer:
         self._check_settled()
         return True
 
+    def gone(self, peer_id: str) -> None:
+        """``peer_id``'s connection closed in the middle of its copy: it will not come (and is dropped)."""
+        self.went.add(peer_id)
+        self._check_settled()
+
     def reject(self, peer_id: str, reason: str) -> None:
         self.rejected[peer_id] = reason
         self._check_settled()
 
     def _check_settled(self) -> None:
-        if len(self.contributions) + len(self.rejected) >= len(self.members):
+        if len(set(self.contributions) | set(self.rejected) | self.went) >= len(self.members):
             self.settled.set()
 
     def close(self, out: np.ndarray) -> list[Term]:

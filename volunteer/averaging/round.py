@@ -40,6 +40,8 @@ class RoundResult:
     duration: float
     phases: dict[str, float]
     reasons: dict[str, str] = field(default_factory=dict)  # "part 2" / peer id → why, for the log
+    # an owner had closed its part (or the round) before my copy came: my values are not the group's
+    late: bool = False
 
     @property
     def compression_ratio(self) -> float:
@@ -87,6 +89,7 @@ class Round:
     output: np.ndarray | None = None  # where the round's result is written
     in_place: bool = False  # ``output`` is this peer's vector itself
     stats: Stats = field(default_factory=Stats)
+    late: bool = False  # an owner refused my copy with 410: its part or the round had closed
 
 
 def part_bounds(n: int, parts: int, weights: Sequence[int] = ()) -> list[tuple[int, int]]:

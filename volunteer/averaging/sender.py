@@ -164,6 +164,7 @@ class Sender:
         try:
             async with self._session_for().post(url, data=data, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:
+                    rnd.late |= resp.status == 410  # its part or round had closed: I was too late for it
                     return f"HTTP {resp.status}: {await self._error_text(resp)}"
                 t = time.perf_counter()
                 _, nbytes = await read_part(
