@@ -383,8 +383,6 @@ class StepWatch(Message, frozen=True, kw_only=True):
     # watch waited (a peer left, or stopped computing): a peer at its allotment heartbeats for a share of
     # them (None: nothing was freed, or a tracker that does not say)
     free: int | None = None
-    # a roll call (issue 27): some peer owes samples while others wait; every live volunteer heartbeats now
-    report: bool = False
 
 
 class LeaveRequest(Message, frozen=True, kw_only=True):

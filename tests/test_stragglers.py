@@ -110,10 +110,11 @@ async def test_a_volunteer_frozen_20_s_stalls_no_one_and_takes_the_steps_after_i
 async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_averages_on_its_own_state(
     tmp_path,
 ):
-    """Issue 27: asleep while it computes its share (a lid closed for a moment), the volunteer is written off
-    by a roll call and the others go on. Waking a few steps later, it hears it missed them, fetches their
-    averages from the others (each from two that agree) and replays them on the state it kept, instead of
-    fetching the whole state; it then takes the next steps with the others, on their parameters."""
+    """Issue 27: asleep while it computes its share (a lid closed for a moment), the volunteer loses it to
+    the others (the late rule) and the others go on. Waking a few steps later, it hears it missed them,
+    fetches their averages from the others (each from two that agree) and replays them on the state it
+    kept, instead of fetching the whole state; it then takes the next steps with the others, on their
+    parameters."""
     averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0}
     async with published_run(
         tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}

@@ -17,10 +17,9 @@ The rules volunteers rely on:
   peer holds them or was allotted them) with how many are free, so a peer at its allotment heartbeats for
   a share of them then, instead of polling for one.
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
-  the tracker gathers ready calls until every online peer at step N is ready or its wait passed
-  (:func:`answer_wait`: ``averaging.gather_s``, or 4 × its timed answers to earlier closes once it has
-  answered some) — plus, for a contributor, the time of one of its micro-batches (``micro_batch_size /
-  samples_per_s``), at most ``round_timeout_s``. A round is never formed from
+  the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
+  passed — plus, for a contributor still computing, the time of one of its micro-batches
+  (``micro_batch_size / samples_per_s``), at most ``round_timeout_s``. A round is never formed from
   ready peers that all have weight 0: the tracker waits for the contributors still on their way (at most
   ``round_timeout_s`` after the close), then opens the step again. The history credits a step with the
   samples of the ready peers it averaged. It partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
@@ -36,14 +35,12 @@ The rules volunteers rely on:
   ``STRAGGLE_FLOOR_S`` (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
   every interval whatever it does) loses what it has not computed: it keeps the samples it reported, counts as
   computing nothing, and the rest is freed at once for the others (the step watches answer). At the close its
-  ready call is gathered like anyone's (:func:`answer_wait`): a volunteer whose heartbeats were only late (an uplink
+  ready call is gathered like anyone's (``gather_s``): a volunteer whose heartbeats were only late (an uplink
   full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
   missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
   A *late* peer goes sooner (backup workers, :meth:`Ledger.overdue`): the others done and waiting half their
   step, it past 1.5 × its own expected time and silent LATE_SILENT_S. A revoked peer holding nothing of the
-  step and silent since is not waited for at the close (``Ledger.written_off``). Sooner still, a *roll call*
-  (:func:`call_roll`): the others done and waiting, every step watch answers "report"; a peer that owes
-  samples and does not answer within its timed answer window is written off with what it held.
+  step and silent since is not waited for at the close (``Ledger.written_off``).
 * Peers silent for ``peer_ttl_s`` expire.
 * Who may serve the run's state, and which state newcomers fetch, is :mod:`crowdtrain.tracker.donors`'s:
   a peer vouches for the state of step N only if it took part in step N - 1 (or the state's hash was
@@ -94,18 +91,6 @@ STRAGGLE_FLOOR_S = 2.0
 # a late peer (Ledger.overdue: the others done and waiting, it past 1.5 × its own expected time) is revoked
 # once it has said nothing for this long: one that spoke within it is computing, only slower than it said
 LATE_SILENT_S = 1.0
-# After a close, a pending peer whose answers the tracker has timed (:func:`answer_wait`) is waited for
-# ANSWER_FACTOR × its slowest recent answer (a decaying maximum: × ANSWER_DECAY a round), at least
-# ANSWER_FLOOR_S and at most ``gather_s``, plus one of its micro-batches if it was still computing. A live
-# volunteer at its allotment answers a close within a round trip (its step watch wakes it); one that does not
-# is asleep, and the others do not wait ``gather_s`` for it.
-ANSWER_FACTOR = 4.0
-ANSWER_FLOOR_S = 0.3
-ANSWER_DECAY = 0.8
-ANSWER_GROWTH = 2.0  # ... and a slower answer raises it by this factor a round at most
-# roll calls (call_roll): at most ROLL_CALLS at a step, ROLL_GAP_S apart at least
-ROLL_CALLS = 3
-ROLL_GAP_S = 0.3
 
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -114,16 +99,6 @@ NO_REACHABLE_PEER = (
 )
 
 OnFormed = Callable[[StepRecord, list[int]], None]
-
-
-@dataclass(slots=True)
-class Roll:
-    """The open step's roll calls (:func:`call_roll`)."""
-
-    at: float | None = None  # monotonic: when the call being answered went out
-    last: float = -math.inf  # when the last call went out
-    calls: int = 0  # calls ever made (a step watch answers each with ``report``)
-    this_step: int = 0  # calls made at the open step (ROLL_CALLS at most)
 
 
 @dataclass(slots=True)
@@ -143,8 +118,6 @@ class Peer:
     backbone: bool = False  # as its last heartbeat said: it computes no gradients
     upload_bps: float | None = None  # as its last heartbeat said: what its rounds went out at lately
     last_seen: float = 0.0  # monotonic
-    answer_s: float | None = None  # close → its ready call, done before the close (decaying max; answer_wait)
-    reported: int = -1  # the step of its last heartbeat (call_roll writes off only a peer heard at the step)
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
     def status(self) -> PeerStatus:
@@ -205,7 +178,6 @@ class RunState:
         self.closed: str | None = None  # closed by its admin: the sentence every further request gets
         self.closed_at_time: float | None = None
         self.on_formed: list[OnFormed] = list(on_formed)  # e.g. metrics
-        self.roll = Roll()
 
     @property
     def global_step(self) -> int:
@@ -307,7 +279,7 @@ class RunState:
         computed = None if hb.compute_share is None else min(1.0, hb.compute_share)  # (a share: at most 1)
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, computed
         peer.backbone, peer.upload_bps = hb.backbone, hb.upload_bps
-        peer.last_seen, peer.reported = now, hb.step
+        peer.last_seen = now
         self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:
             self.pending.add(peer.peer_id)
@@ -359,8 +331,16 @@ class RunState:
             and not self.ledger.written_off(p.peer_id)
         ]
         self.pending = {p.peer_id for p in pending}
-        waits = (answer_wait(p, self.global_step, self.spec) for p in pending)
-        self.gather_until = now + min(max(waits, default=0.0), avg.round_timeout_s)
+        # a contributor says "ready" once its micro-batch in flight is done: wait that long for it
+        slowest = max(
+            (
+                self.spec.micro_batch_size / p.share.samples_per_s
+                for p in pending
+                if p.share.step == self.global_step and p.share.samples > 0 and p.share.samples_per_s > 0
+            ),
+            default=0.0,
+        )
+        self.gather_until = now + min(avg.gather_s + slowest, avg.round_timeout_s)
         self.maybe_form(now)
 
     def _any_owner(self) -> bool:
@@ -444,7 +424,6 @@ class RunState:
         self.ready = {}
         self.pending = set()
         self.reopened = set()
-        self.roll = Roll(calls=self.roll.calls)
         self.notice = None
         self.ledger.advance([c.peer_id for c in candidates], time.monotonic())
 
@@ -460,31 +439,19 @@ class RunState:
         freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
-        freed, free, calls = self.freed, None, self.roll.calls
+        freed, free = self.freed, None
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
             if self.freed != freed and self.global_step == step and self.ledger.free > 0:  # (not taken yet)
                 free = self.ledger.free
                 break
-            if self.roll.calls != calls and self.global_step == step:
-                break
             freed = self.freed
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             await wait_at_most(self.changed, remaining)
-        report = self.roll.calls != calls and self.closed_at is None
-        return StepWatch(
-            global_step=self.global_step, step_closed=self.closed_at is not None, free=free, report=report
-        )
-
-    def call_roll(self, now: float) -> None:
-        """Every step watch answers "report": each live volunteer heartbeats at once (:func:`call_roll`)."""
-        self.roll.at = self.roll.last = now
-        self.roll.calls += 1
-        self.roll.this_step += 1
-        self._wake()
+        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None, free=free)
 
     async def ready_call(
         self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
@@ -492,8 +459,6 @@ class RunState:
         """``POST /ready`` of a registered peer: :meth:`wait_ready`, the peer seen when it asks and when it
         is answered."""
         peer.last_seen = time.monotonic()
-        if step == self.global_step and self.closed_at is not None and peer.peer_id in self.pending:
-            answered(peer, time.time() - self.closed_at)
         reply = await self.wait_ready(peer.peer_id, step, weight, long_poll_s, ahead)
         if self.peers.get(peer.peer_id) is peer:
             peer.last_seen = time.monotonic()
@@ -580,32 +545,6 @@ def eval_refusal(run: RunState, report: EvalReport) -> str | None:
     return None
 
 
-def answer_wait(peer: Peer, step: int, spec: RunSpec) -> float:
-    """How long after a close the tracker gathers ready calls for ``peer`` (pending): ``gather_s`` while its
-    answers were never timed, else ANSWER_FACTOR × its slowest recent answer within [ANSWER_FLOOR_S,
-    ``gather_s``]; plus one of its micro-batches if it holds samples of the step (one in flight is finished
-    before it says "ready")."""
-    share, gather_s = peer.share, spec.averaging.gather_s
-    wait = (
-        gather_s
-        if peer.answer_s is None
-        else min(gather_s, max(ANSWER_FLOOR_S, ANSWER_FACTOR * peer.answer_s))
-    )
-    if share.step == step and share.samples > 0 and share.samples_per_s > 0:
-        wait += spec.micro_batch_size / share.samples_per_s
-    return wait
-
-
-def answered(peer: Peer, delay: float) -> None:
-    """``peer`` said "ready" ``delay`` seconds after its step closed: timed, if it had reached its allotment
-    before the close (its answer is then a round trip, not a micro-batch and a round trip)."""
-    done_at = peer.share.done_at
-    if done_at >= 0 and time.monotonic() - done_at >= delay:
-        old = peer.answer_s
-        # (one answer from a peer that fell asleep at the close, then woke, raises it 2× at most)
-        peer.answer_s = delay if old is None else max(ANSWER_DECAY * old, min(delay, ANSWER_GROWTH * old))
-
-
 def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
     """What a heartbeat is told: the run's step and progress, where the peer is reached, and its shares."""
     return HeartbeatReply(
@@ -625,60 +564,6 @@ def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
         allotment=run.ledger.allotment(peer.peer_id, step_open=run.closed_at is None),
         ahead_share=share.ahead_share,
     )
-
-
-def call_roll(run: RunState, now: float) -> list[str]:
-    """Backup workers for a peer asleep mid-step (issue 27): once the first peer done with the open step has
-    waited a quarter of its step while others owe samples (:meth:`Ledger.roll`), every step watch answers
-    "report" and each live volunteer heartbeats at once (its heartbeat task runs beside its computing). A
-    peer that owes samples, has heartbeated at this step (one not heard at it yet may still be sending its
-    last round over a slow uplink) and has not spoken within ANSWER_FACTOR × its timed answers to closes
-    (:func:`answer_wait`; at least ANSWER_FLOOR_S, LATE_SILENT_S while never timed) is asleep: it is
-    written off (:meth:`Ledger.write_off`: its allotment and what it holds are free for the others, and the
-    round does not wait for it). At most ROLL_CALLS a step, one every quarter of a step. Returns the peers
-    written off; ``now`` is monotonic. (Called by the tracker's upkeep every STRAGGLE_CHECK_S.)"""
-    if run.closed_at is not None or run.closed is not None:
-        return []
-    roll, step = run.roll, run.global_step
-    if roll.at is None:
-        called = run.ledger.roll(now)
-        if called is not None and roll.this_step < ROLL_CALLS and now - roll.last >= ROLL_GAP_S:
-            run.call_roll(now)
-        return []
-    at = roll.at
-    # (one not heard at this step yet may still be sending its last round over a slow uplink: not judged)
-    silent = [
-        p for p in run.peers.values() if _owes(p.share, step) and p.reported == step and p.last_seen < at
-    ]
-    due = [p for p in silent if now - at >= _roll_window(p)]
-    if len(due) == len(silent):
-        roll.at = None  # this call is settled
-    for peer in due:
-        free = run.ledger.free
-        freed = run.ledger.write_off(peer.peer_id)
-        log.info(
-            "run %s: peer %s did not answer a roll call at step %d within %.2f s: %d samples are freed",
-            run.run_id,
-            peer.peer_id,
-            step,
-            now - at,
-            freed,
-        )
-        run.freed_now(free)
-    if due:
-        run.maybe_close(time.time())
-    return [p.peer_id for p in due]
-
-
-def _owes(share: Share, step: int) -> bool:
-    return share.step == step and share.computing and share.allotted > share.samples
-
-
-def _roll_window(peer: Peer) -> float:
-    """How long a peer has to answer a roll call."""
-    if peer.answer_s is None:
-        return LATE_SILENT_S
-    return max(ANSWER_FLOOR_S, ANSWER_FACTOR * peer.answer_s)
 
 
 def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:

@@ -35,10 +35,6 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
   also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
   step and has not spoken since is written off: the round does not wait for its ready call.
-* **Roll call** (issue 27). Once the first peer done with the open step has waited ROLL_SHARE of its step
-  (ROLL_FLOOR_S at least) while others owe samples, :meth:`roll` names them; the run calls the roll
-  (:func:`crowdtrain.tracker.collab.call_roll`) and writes off one that does not answer
-  (:meth:`write_off`: its allotment and its samples are freed; no round waits for it).
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -69,10 +65,6 @@ RATE_DUST = 1e-6
 # LATE_GRACE_S.
 LATE_FACTOR = 1.5
 LATE_GRACE_S = 0.5
-# A roll call (collab.call_roll) goes out once the first peer done with the open step has waited ROLL_SHARE
-# of its step, ROLL_FLOOR_S at least, while others owe samples.
-ROLL_SHARE = 0.25
-ROLL_FLOOR_S = 0.1
 # A peer is on probation (its rate counts at most the established peers' median) until it took part in
 # this many rounds.
 PROBATION_STEPS = 3
@@ -235,40 +227,6 @@ class Ledger:
         share.done_at = -1.0  # (not one of the peers done with the step: it stopped)
         self._revoked.add(peer_id)
         return owed
-
-    def write_off(self, peer_id: str) -> int:
-        """A peer asleep at the open step (it did not answer a roll call while it owed samples) loses its
-        allotment *and* what it holds: no round will wait for its ready call, so its samples would never
-        reach the average; all of them are free for the others. It counts as computing nothing and at no
-        rate until it reports again (then it is credited afresh). Returns the samples freed (0: it owed none)."""
-        share = self._shares[peer_id]
-        if share.step != self.step or not share.computing or share.allotted <= share.samples:
-            return 0
-        freed = share.allotted
-        with self._changing(share):
-            share.allotted = share.samples = 0
-            share.computing = False
-            share.samples_per_s = 0.0
-        share.done_at = -1.0
-        self._revoked.add(peer_id)
-        return freed
-
-    def roll(self, now: float) -> tuple[list[str], float] | None:
-        """The peers that owe samples of the open step, once the first peer done with it has waited a
-        quarter of its step (ROLL_FLOOR_S at least), with how long that peer took; None before then."""
-        finished = [s for s in self._shares.values() if s.step == self.step and s.done_at >= 0]
-        if not finished:
-            return None
-        first = min(finished, key=lambda s: s.done_at)
-        took = first.done_at - first.step_since
-        if now - first.done_at < max(ROLL_FLOOR_S, ROLL_SHARE * took):
-            return None
-        owing = [
-            peer_id
-            for peer_id, s in self._shares.items()
-            if s.step == self.step and s.computing and s.allotted > s.samples
-        ]
-        return (owing, took) if owing else None
 
     def written_off(self, peer_id: str) -> bool:
         """Revoked at the open step, silent since, holding nothing of it: no round waits for its ready call."""

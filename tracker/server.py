@@ -50,7 +50,7 @@ from crowdtrain.protocol.serving import bind_listeners, start_serving, stop_serv
 from crowdtrain.tracker.admin import Admin
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
-from crowdtrain.tracker.collab import STRAGGLE_FLOOR_S, call_roll, revoke_stragglers
+from crowdtrain.tracker.collab import STRAGGLE_FLOOR_S, revoke_stragglers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
 from crowdtrain.tracker.page import HISTORY_POINTS, index_html, run_html
@@ -66,9 +66,7 @@ log = logging.getLogger("crowdtrain.tracker")
 RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
 LISTEN_BACKLOG = 1024  # connections waiting to be accepted (a crowd announcing at once)
-STRAGGLE_CHECK_S = (
-    0.1  # how often each run looks for stragglers (collab.revoke_stragglers, call_roll: O(peers))
-)
+STRAGGLE_CHECK_S = 0.25  # how often each run looks for stragglers (collab.revoke_stragglers: O(peers))
 
 
 class TokenBucket:
@@ -222,7 +220,6 @@ class Tracker:
                 try:
                     if straggle:
                         revoke_stragglers(run.state, silent_s)
-                        call_roll(run.state, time.monotonic())
                     if expire:
                         run.state.expire(self.config.peer_ttl_s)
                     run.state.tick(now)

@@ -278,7 +278,8 @@ class Training:
             self._shown = ""
         else:
             return
-        self.link.poke()  # at once in its new step: its share, and a roll call judges only a peer heard at it
+        if self.link.allotment.step != pos.step:  # no share of its new step came with the group: ask now
+            self.link.poke()
 
     # ------------------------------------------------------------------ the allotment
 

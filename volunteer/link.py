@@ -229,8 +229,6 @@ class TrackerLink:
             elif watch.free:
                 self.freed = True
                 self.changed.set()
-            if watch.report:  # a roll call: say it is awake (a heartbeat now)
-                self.poke()
 
     def _hear(self, global_step: int, step_closed: bool) -> None:
         """The tracker's word on the step, from a heartbeat's reply or the watch: kept unless it is older
