@@ -15,8 +15,9 @@ with signals, as a user's machine makes them:
 
 Each run lasts ``--seconds`` of wall time from the run's first step. Measured from the tracker's step history
 and the volunteers' events: steps per minute (first to last step closed in the window), that ÷ the
-``none`` run's under the same rule, the longest step of a volunteer that did not stall, and samples
-dropped (Σ ``StepMissed.dropped_samples``: work computed on parameters the run had left).
+``none`` run's under the same rule, the longest step of a volunteer that did not stall, samples
+dropped (Σ ``StepMissed.dropped_samples``: work computed on parameters the run had left), and where the
+volunteers' time went (the share of their summed time in each phase of theirs; their own stalls apart).
 
     .venv/bin/python bench/stragglers.py --markdown
     .venv/bin/python bench/stragglers.py --scenarios none,frozen --seconds 60
@@ -191,10 +192,11 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
             await stop_all(procs)
     if args.timeline:
         timeline(procs, None if args.events is None else args.events / f"{scenario}-{rule}.txt")
-    STALLS.clear()
     closed = sorted(records.values(), key=lambda r: r.step)
     window = [r for r in closed if r.step >= 1]
     span = window[-1].closed_at - window[0].closed_at if len(window) > 1 else float("nan")
+    phases = phase_shares(procs, window[0].closed_at, window[-1].closed_at) if len(window) > 1 else {}
+    STALLS.clear()
     steady = [p for p in procs if p.name not in STALLING[scenario]] or procs
     # a step's wall time for a volunteer: from its StepDone of the step before to its StepDone of this one
     gaps = [
@@ -212,7 +214,38 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
         "longest": longest,
         "median": statistics.median(medians) if medians else float("nan"),
         "dropped": dropped,
+        "phases": phases,
     }
+
+
+def phase_shares(procs: list[Proc], start: float, end: float) -> dict[str, float]:
+    """Where the volunteers' time went between ``start`` and ``end`` (wall clock): the share of the sum of
+    their times spent in each phase of theirs (``PhaseChanged``), a volunteer's own stalls as "stalled"."""
+    from crowdtrain.volunteer import events as ev
+
+    spent: dict[str, float] = {}
+
+    def add(what: str, a: float, b: float) -> None:
+        a, b = max(a, start), min(b, end)
+        if b > a:
+            spent[what] = spent.get(what, 0.0) + b - a
+
+    for p in procs:
+        if p.proc is None:
+            continue
+        stalls = sorted((a, b) for pid, a, b in STALLS if pid == p.proc.pid)
+        changes = [e for e in p.events if isinstance(e, ev.PhaseChanged)]
+        for here, after in itertools.pairwise([*changes, None]):
+            a, b = here.t, end if after is None else after.t
+            for sa, sb in stalls:  # the stalled part of [a, b) is the stall's, not the phase's
+                if sb <= a or sa >= b:
+                    continue
+                add(here.phase, a, sa)
+                add("stalled", max(a, sa), min(b, sb))
+                a = min(b, sb)
+            add(here.phase, a, b)
+    total = sum(spent.values()) or 1.0
+    return {k: v / total for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
 
 
 def timeline(procs: list[Proc], events: Path | None) -> None:
@@ -288,12 +321,22 @@ async def main() -> None:
                 print(
                     "  ".join(f"{h} {c}" for h, c in zip(HEADER, cells(row, base), strict=True)), flush=True
                 )
+                print("    time: " + ", ".join(f"{k} {v:.0%}" for k, v in row["phases"].items()), flush=True)
     if args.markdown:
         print("| " + " | ".join(HEADER) + " |")
         print("|" + "---|" * len(HEADER))
         for row in rows:
             base = next((r for r in rows if r["scenario"] == "none" and r["rule"] == row["rule"]), None)
             print("| " + " | ".join(cells(row, base)) + " |")
+        names = sorted(
+            {k for row in rows for k in row["phases"]},
+            key=lambda k: -max(r["phases"].get(k, 0) for r in rows),
+        )
+        print("\n| scenario | straggler rule | " + " | ".join(names) + " |")
+        print("|" + "---|" * (len(names) + 2))
+        for row in rows:
+            shares = [f"{row['phases'].get(k, 0.0):.0%}" for k in names]
+            print(f"| {row['scenario']} | {row['rule']} | " + " | ".join(shares) + " |")
 
 
 if __name__ == "__main__":

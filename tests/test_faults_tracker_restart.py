@@ -102,14 +102,17 @@ async def test_tracker_sigkilled_and_restarted_loses_no_step_and_no_sample(tmp_p
                 vols.append(v)
             tasks = [asyncio.create_task(v.run()) for v in vols]
             try:
+                # (any step from KILL_AT_STEP on: with both volunteers' compute threads in this process, this
+                # loop's polls can miss the first third of one step; it was once missed at step 2 exactly, and
+                # the test waited out its 90 s while the run went on to step 48)
                 await until(
                     lambda: (
                         min(v.step for v in vols) >= KILL_AT_STEP
-                        and max(v.step for v in vols) == KILL_AT_STEP
+                        and min(v.step for v in vols) == max(v.step for v in vols)
                         and sum(v.trainer.samples for v in vols) < TARGET // 3
                     ),
                     90,
-                    f"the volunteers starting to accumulate for step {KILL_AT_STEP}",
+                    f"the volunteers starting to accumulate for a step from step {KILL_AT_STEP} on",
                 )
                 tracker.kill()
                 assert await asyncio.wait_for(tracker.proc.wait(), 30) < 0

@@ -343,17 +343,9 @@ class CatchUp:
             if pending_step is not None and pending_step >= loaded.step:
                 grad, params = await asyncio.to_thread(replay.take, pending_step)
                 self.rounds.hold(Round.replayed(pending_step, grad, params))  # applied when this step closes
-        replay.clear()
-        self.waiting = None
-        run.summary.caught_up_to = run.pos.step
-        await run.record_params()
-        run.note(
-            logging.INFO,
-            "loaded the state of step %d and replayed %d steps",
-            loaded.step,
-            max(0, target - loaded.step),
+        await self._caught_up(
+            "loaded the state of step %d and replayed %d steps", loaded.step, max(0, target - loaded.step)
         )
-        run.phase("training")
 
     async def _replay_own(self) -> None:
         """Replay the fetched and kept averages on this peer's own state (delay 0): it ends where the
@@ -367,16 +359,20 @@ class CatchUp:
         self._drop()
         await self._replay_steps(first, target)
         run.pos.applied = target
-        replay.clear()
-        self.waiting = None
-        run.summary.caught_up_to = run.pos.step
-        await run.record_params()
-        run.note(
-            logging.INFO,
+        await self._caught_up(
             "rejoined at step %d: replayed the averages of %d steps, fetched from peers, on its own state",
             target,
             target - first,
         )
+
+    async def _caught_up(self, message: str, *args: object) -> None:
+        """The end of a catch-up: the replay is spent, the parameters are recorded, the peer trains again."""
+        run = self.run
+        self.replay.clear()
+        self.waiting = None
+        run.summary.caught_up_to = run.pos.step
+        await run.record_params()
+        run.note(logging.INFO, message, *args)
         run.phase("training")
 
     async def _replay_steps(self, first: int, end: int) -> None:

@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from crowdtrain.volunteer.joined import JoinedRun
     from crowdtrain.volunteer.trainer import Trainer
 
-log = logging.getLogger(__name__)
 
 GRAD_TOLERANCE = 0.5  # relative L2 distance between the copy and the recomputed gradient, beyond a step
 LOSS_TOLERANCE = 0.02  # relative distance between the losses
