@@ -11,7 +11,11 @@ with signals, as a user's machine makes them:
   computing its share of a step (so it owes samples), then woken;
 - ``heavy-tail``: every volunteer, every ``--tick`` seconds, with probability ``--p``, is stopped for 9 ticks
   (a micro-batch that takes 10× as long: another program took the machine);
-- ``slow``: volunteer 1 computes at a third of its speed (stopped two thirds of every 30 ms).
+- ``slow``: volunteer 1 computes at a third of its speed (stopped two thirds of every 30 ms);
+- ``slowed``: the issue's "each micro-batch slowed 10× with probability p": every volunteer, every ``--tick``
+  seconds, with probability ``--p``, gets a tenth of its CPU for 9 ticks (a CPU quota on its cgroup: another
+  program took the machine). Unlike ``heavy-tail`` it is not frozen: what it computes takes 10× as long,
+  and it still answers, 10× slower. Needs a writable cgroup ``cpu`` controller (root; v1 or v2).
 
 Each run lasts ``--seconds`` of wall time from the run's first step. Measured from the tracker's step history
 and the volunteers' events: steps per minute (first to last step closed in the window), that ÷ the
@@ -38,12 +42,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # (run as a script, bench/ is on sys.path: the process plumbing is bench/utilization.py's)
 from utilization import Proc, cores, published, start_volunteer, stop_all
 
-SCENARIOS = ("none", "frozen", "heavy-tail", "slow")
+SCENARIOS = ("none", "frozen", "heavy-tail", "slow", "slowed")
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--target", type=int, default=256)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--delay", type=int, default=0, choices=(0, 1), help="[averaging] delay of the runs")
+    ap.add_argument("--gather", type=float, default=1.0, help="[averaging] gather_s of the runs")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="each stall: the phase it began in, what it cost")
     ap.add_argument(
@@ -101,6 +106,18 @@ async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: 
             for p in procs:
                 if rng.random() < args.p:
                     asyncio.get_running_loop().create_task(_stop_for(pid(p), 9 * args.tick))
+    elif scenario == "slowed":
+        groups = [CpuGroup.of(pid(p), f"crowdtrain-bench-{p.name}") for p in procs]
+        tenth = max(0.01, min(1.0, cores() / len(procs)) / 10)  # of a core: a tenth of its share here
+        try:
+            while True:
+                await asyncio.sleep(args.tick)
+                for p, g in zip(procs, groups, strict=True):
+                    if rng.random() < args.p:
+                        asyncio.get_running_loop().create_task(_slow_for(pid(p), g, tenth, 9 * args.tick))
+        finally:
+            for g in groups:
+                g.close()
     elif scenario == "slow":
         while True:
             os.kill(pid(procs[0]), signal.SIGSTOP)
@@ -133,11 +150,68 @@ async def _stop_for(pid: int, seconds: float) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
+async def _slow_for(pid: int, group: CpuGroup, cores_: float, seconds: float) -> None:
+    STALLS.append((pid, time.time(), time.time() + seconds))
+    group.limit(cores_)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        group.limit(None)
+
+
+class CpuGroup:
+    """A cgroup of its own for one process, whose CPU quota the bench sets (cgroup v2 ``cpu.max`` or v1
+    ``cpu.cfs_quota_us``), with a 20 ms period so that a slowed process is slowed evenly, not in bursts."""
+
+    PERIOD_US = 20_000
+    made: ClassVar[list[Path]] = []  # (removed by :meth:`remove_all` once their processes are gone)
+
+    def __init__(self, path: Path, v2: bool) -> None:
+        self.path, self.v2 = path, v2
+
+    @classmethod
+    def of(cls, pid: int, name: str) -> CpuGroup:
+        v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        root = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/cpu")
+        path = root / f"{name}-{pid}"
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            raise SystemExit(f"the slowed scenario needs a writable cgroup cpu controller ({exc})") from None
+        cls.made.append(path)
+        group = cls(path, v2)
+        group.limit(None)
+        return group
+
+    @classmethod
+    def remove_all(cls) -> None:
+        for path in cls.made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        cls.made.clear()
+
+    def limit(self, cores: float | None) -> None:
+        """At most ``cores`` of CPU time (None: no limit)."""
+        quota = -1 if cores is None else max(1000, int(cores * self.PERIOD_US))
+        with contextlib.suppress(OSError):  # (the process may be gone)
+            if self.v2:
+                (self.path / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {self.PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def close(self) -> None:
+        """No limit; the group is removed once its process left it (at its exit)."""
+        self.limit(None)
+
+
 STALLING: dict[str, set[str]] = {
     "none": set(),
     "frozen": {"v1"},
     "heavy-tail": {"v1", "v2", "v3", "v4"},
     "slow": {"v1"},
+    "slowed": {"v1", "v2", "v3", "v4"},
 }
 
 
@@ -150,7 +224,7 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     averaging = {
         "group_size": 4,
         "codec": "int8",
-        "gather_s": 1.0,
+        "gather_s": args.gather,
         "step_timeout_s": 120.0,
         "delay": args.delay,
     }
@@ -190,6 +264,7 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.proc.pid, signal.SIGCONT)
             await stop_all(procs)
+            CpuGroup.remove_all()
     if args.timeline:
         timeline(procs, None if args.events is None else args.events / f"{scenario}-{rule}.txt")
     closed = sorted(records.values(), key=lambda r: r.step)

@@ -93,3 +93,17 @@ def test_a_newcomer_accepts_a_state_no_larger_than_its_model_could_make():
     own = (100 * 100 + 100 + 4 * 100) * 4 + 8  # fp32 weights, bias, BatchNorm's 4 vectors; its int64 count
     assert state_bound(model, 16 << 30) == 8 * own + STATE_HEADER_BYTES
     assert state_bound(model, 1 << 20) == 1 << 20
+
+
+def test_a_peer_replaying_on_its_own_state_fetches_every_gap_in_the_averages_it_kept():
+    """A volunteer slowed 10× (bench/stragglers.py ``slowed``) missed step 3, then, catching up as a member
+    with weight 0, missed the round of step 4 and later of step 8. The averages fetched were only those
+    before the first one kept (3 and 4); the replay then found step 8 missing, started the catch-up again,
+    which fetched nothing, and so on for the rest of the run (55 s, no line logged). Every gap is fetched."""
+    from crowdtrain.volunteer.catchup import steps_to_fetch
+
+    kept = {5, 6, 7, 9}
+    assert steps_to_fetch(3, 10, kept) == [3, 4, 8]
+    assert steps_to_fetch(3, 10, kept | {3, 4}) == [8]  # (the pass after fetching those before the first)
+    assert steps_to_fetch(3, 10, set(range(3, 10))) == []
+    assert steps_to_fetch(7, 7, set()) == []

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +113,13 @@ class Replay:
         self._steps.clear()
 
 
+def steps_to_fetch(applied: int, step: int, kept: Container[int]) -> list[int]:
+    """The steps from ``applied`` (the first this peer's own state lacks) to ``step`` (the run's) whose
+    averages are not ``kept``: every gap, not only those before the first kept one (a peer catching up
+    misses a round now and then; replaying across such a gap would restart the catch-up forever)."""
+    return [s for s in range(applied, step) if s not in kept]
+
+
 class CatchUp:
     """Fetching the run's state and replaying the steps that passed meanwhile.
 
@@ -194,21 +201,22 @@ class CatchUp:
             return self._no_averages(f"they did not come within {AVERAGES_WAIT_S:.0f} s")
 
     async def _fetch_missed(self) -> bool:
-        """Delay 0, a peer that took steps and missed at most KEEP_STEPS: put the averages of the steps from its
-        own state's on into the replay, each from two peers that agree, until every step up to the first it
-        keeps (as a member with weight 0) is in. False when it cannot (it then fetches the state)."""
+        """Delay 0, a peer that took steps: put the averages of the steps from its own state's on that it did
+        not keep (as a member with weight 0) into the replay, each from two peers that agree, while peers still
+        keep them. False when it cannot (it then fetches the state)."""
         run, replay = self.run, self.replay
         if run.delay or not run.summary.steps_done:
             return False
         size, spec = run.trainer.numel, run.spec.averaging
         every = 0 if spec.local else spec.average_state_every
         for _ in range(2 * KEEP_STEPS):  # (the run moves on meanwhile; each pass fetches what it passed)
-            end = replay.first if replay.first is not None else run.pos.step
-            missing = [s for s in range(run.pos.applied, end) if s not in replay]
+            missing = steps_to_fetch(run.pos.applied, run.pos.step, replay)
             if not missing:
                 return True
-            if end - run.pos.applied > KEEP_STEPS:
-                return self._no_averages(f"it missed {end - run.pos.applied} steps, peers keep {KEEP_STEPS}")
+            if missing[0] < run.pos.step - KEEP_STEPS:
+                return self._no_averages(
+                    f"the average of step {missing[0]} is older than the last {KEEP_STEPS} steps peers keep"
+                )
             listed = await run.tracker.donors(run.config.run_id)
             donors = [d for d in [*listed.donors, *listed.peers] if d.peer_id != run.peer_id]
             for s in missing:
@@ -352,8 +360,8 @@ class CatchUp:
         others are; if the run passed a step that is not in the replay, fetch again."""
         run, replay = self.run, self.replay
         first, target = run.pos.applied, run.pos.step
-        missing = [s for s in range(first, target) if s not in replay]
-        if missing:
+        missing = steps_to_fetch(first, target, replay)
+        if missing:  # (passed while the averages were fetched: fetch those too)
             self.start()
             return
         self._drop()
