@@ -67,7 +67,7 @@ class Replay:
         self.folder = folder
         self._steps: dict[int, bool] = {}  # step -> whether averaged parameters came with it
 
-    def __contains__(self, step: int) -> bool:
+    def __contains__(self, step: object) -> bool:
         return step in self._steps
 
     @property
