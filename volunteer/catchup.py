@@ -361,7 +361,10 @@ class CatchUp:
         run, replay = self.run, self.replay
         first, target = run.pos.applied, run.pos.step
         missing = steps_to_fetch(first, target, replay)
-        if missing:  # (passed while the averages were fetched: fetch those too)
+        if missing:
+            run.note(
+                logging.INFO, "steps %s passed while their averages were fetched; fetching those too", missing
+            )
             self.start()
             return
         self._drop()
