@@ -117,7 +117,7 @@ async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: 
                         asyncio.get_running_loop().create_task(_slow_for(pid(p), g, tenth, 9 * args.tick))
         finally:
             for g in groups:
-                g.close()
+                g.limit(None)
     elif scenario == "slow":
         while True:
             os.kill(pid(procs[0]), signal.SIGSTOP)
@@ -200,10 +200,6 @@ class CpuGroup:
             else:
                 (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
                 (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-
-    def close(self) -> None:
-        """No limit; the group is removed once its process left it (at its exit)."""
-        self.limit(None)
 
 
 STALLING: dict[str, set[str]] = {
