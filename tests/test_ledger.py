@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crowdtrain.protocol.messages import AveragingSpec, RunSpec
 from crowdtrain.tracker.ledger import SAMPLES_SLACK, Ledger, Tally
+from tests.sim import make_run_create
 
 MICRO = 8  # micro_batch_size, as in tests/sim.py's runs
 
@@ -332,6 +335,123 @@ def test_a_peer_is_late_once_the_others_waited_half_their_step_and_it_is_past_on
     assert book.overdue(6.3) == ["b"]
     beat(book, "b", 20, 10.0, now=6.4)  # it spoke: its rest (2 s) is timed from now
     assert book.overdue(6.5) == [] and book.overdue(6.4 + 1.5 * 2.0 + 0.5) == ["b"]
+
+
+def spared(target: int = 120) -> Ledger:
+    """A ledger with the spares rule (a run with delay 0 and one inner step), a, b and c allotted 40 each at
+    10 samples/s at t=0."""
+    book = Ledger("run-test", target, MICRO, 0.5, spares=True)
+    joined(book, "a", "b", "c")
+    for name in ("a", "b", "c"):
+        assert beat(book, name, 0, 10.0, now=0.0).allotted == 40
+    return book
+
+
+def test_spares_cover_the_rest_of_a_peer_behind_its_time_and_a_covered_peer_that_reports_stops_at_its_samples():
+    """Backup workers (issue 27): b reported 8 of its 40 at t=1, so its rest (3.2 s) should end at 4.2; a and
+    c are done at t=4 (a step of 4 s). Spares open once a has waited 15 % of its step (t=4.6) and b is past
+    its time by 15 % of its rest (t=4.68): a and c are allotted b's 32 once more, by rate. b, alive, reports
+    20: it is allotted what it holds (it stops), so the step closes on its target, not 12 above it."""
+    book = spared()
+    beat(book, "b", 8, 10.0, now=1.0)
+    for name in ("a", "c"):
+        assert beat(book, name, 40, 10.0, now=4.0).done_at == 4.0
+    assert book.open_spares(4.59) == 0  # a has not waited 15 % of its step
+    assert book.open_spares(4.67) == 0  # b is not behind by 15 % of its rest yet
+    assert book.offered == 0
+    assert not book.in_flight("a") and book.in_flight("b")  # a stopped at its share; b computes
+    assert book.open_spares(4.7) == 32 and book.offered == 32
+    assert not book.in_flight("b")  # covered and silent since: no micro-batch of its is awaited
+    assert book.open_spares(4.8) == 0  # (their offers are not taken yet)
+    assert [beat(book, n, 40, 10.0, now=4.75).allotted for n in ("a", "c")] == [56, 56]
+    assert book.offered == 0 and book.tally.reserved == 152  # above the target: b still holds its 40
+    assert beat(book, "b", 20, 10.0, now=4.8).allotted == 20  # covered: it stops at what it holds
+    assert book.in_flight("b")  # (it may be in a micro-batch it began before it was cut)
+    assert book.tally.reserved == 132
+    for name in ("a", "c"):
+        assert beat(book, name, 50, 10.0, now=5.8).allotted == 56  # a spare given stands
+    assert not book.written_off("b")  # it spoke, and holds samples
+    assert_tally_is_the_sum(book)
+    assert beat(book, "a", 56, 10.0, now=6.4).samples == 56
+    assert beat(book, "c", 44, 10.0, now=6.4).samples == 44
+    assert book.tally.samples == 120  # the target, met by whoever computed it
+
+
+def test_spares_open_again_for_what_the_step_still_lacks_but_not_to_a_peer_that_left_its_offer_untaken():
+    book = spared()
+    beat(book, "b", 8, 10.0, now=1.0)
+    for name in ("a", "c"):
+        beat(book, name, 40, 10.0, now=4.0)
+    assert book.open_spares(4.7) == 32  # 16 each; c has fallen asleep and never takes its 16
+    assert beat(book, "a", 40, 10.0, now=4.75).allotted == 56
+    assert book.open_spares(5.5) == 0  # a owes its spare and is on time; c's offer is not taken yet
+    assert beat(book, "a", 56, 10.0, now=5.4).done_at == 5.4
+    assert book.open_spares(5.9) == 0  # a has not waited 15 % of its step (5.4 s) yet
+    # what c left untaken (16), offered to a alone, within its share cap (60): 4
+    assert book.open_spares(6.3) == 4
+    assert beat(book, "a", 56, 10.0, now=6.4).allotted == 60
+    assert book.spares.covered == {"b"}
+    assert_tally_is_the_sum(book)
+
+
+def test_spares_wait_for_every_peer_that_owes_samples_and_a_covered_peer_silent_and_empty_is_written_off():
+    book = spared()
+    assert beat(book, "a", 40, 10.0, now=4.0).done_at == 4.0  # b and c owe 40 each (due at 4.0)
+    beat(book, "c", 30, 10.0, now=4.5)  # c is on time: its rest of 10 is due at 5.5
+    assert book.open_spares(5.0) == 0  # b is behind, but c is not: no spares (c would be cut)
+    assert book.open_spares(5.7) == 20  # both behind now: b's 40 and c's 10, offered to a within its cap (60)
+    assert book.written_off("b") and not book.written_off("c")  # b holds nothing: its ready brings nothing
+    assert beat(book, "a", 40, 10.0, now=5.8).allotted == 60  # a, the only peer done: up to its share cap
+    # b wakes and speaks: it is allotted what the spares left (a's cap took 20 of the 50): the target's rest
+    beat(book, "b", 0, 10.0, now=6.0)
+    assert not book.written_off("b") and book.share("b").allotted == 20 and book.tally.reserved == 120
+    assert_tally_is_the_sum(book)
+
+
+def test_spares_go_whole_to_the_peers_with_room_not_to_one_at_its_cap():
+    """Regression (issue 27, a 40 s heavy-tail run): spares were split by rate over every peer done, one of
+    them at its share cap, so each opening offered the peer with room only its part of what the step lacked,
+    in ever thinner micro-batches (23, 13, 7, 4, 2, 1 samples) one after another; and a peer idle at the
+    step, allotted nothing, was offered none. Here a holds its cap (60 of 120): c, which came when every
+    sample was allotted, is offered all that b's sleep leaves lacking, at once."""
+    book = Ledger("run-test", 120, MICRO, 0.5, spares=True)
+    joined(book, "a", "b")
+    assert [beat(book, n, 0, 10.0, now=0.0).allotted for n in ("a", "b")] == [60, 60]
+    book.add("c", 0.5)
+    assert beat(book, "c", 0, 10.0, now=0.5).allotted == 0
+    beat(book, "b", 8, 10.0, now=1.0)  # then asleep: its rest (52) is due at 6.2
+    assert beat(book, "a", 60, 10.0, now=6.0).done_at == 6.0
+    assert book.open_spares(6.9) == 0  # b is not behind by 15 % of its rest yet
+    assert book.open_spares(7.0) == 52 and book.spares.offered == {"c": 52}
+    assert beat(book, "c", 0, 10.0, now=7.05).allotted == 52
+    assert_tally_is_the_sum(book)
+
+
+def test_spares_reach_a_peer_idle_at_the_step_with_nothing_allotted():
+    """Regression (issue 27): a peer back from a catch-up mid-step, computing but allotted nothing (every
+    sample was allotted), sat idle while the others computed a sleeper's rest as spares. It counts as done
+    with the step now (an unknown rate at the mean) and is offered its part, a micro-batch at least."""
+    book = spared()
+    beat(book, "b", 8, 10.0, now=1.0)  # then asleep: its rest (32) is due at 4.2
+    book.add("d", 2.0)
+    assert beat(book, "d", 0, 0.0, now=2.0).allotted == 0  # nothing free for it
+    for name in ("a", "c"):
+        assert beat(book, name, 40, 10.0, now=4.0).done_at == 4.0
+    assert book.open_spares(4.7) == 33  # 32 lacking, in three (a, c, d at 10 samples/s): 11 each
+    assert book.spares.offered == {"a": 11, "c": 11, "d": 11}
+    assert beat(book, "d", 0, 0.0, now=4.75).allotted == 11
+    assert_tally_is_the_sum(book)
+
+
+def test_no_spares_with_delay_1_or_local_steps_or_without_a_peer_done():
+    book = spared()
+    assert book.open_spares(100.0) == 0  # nobody is done: nobody to give them to
+    create = make_run_create(target_batch_size=120)
+    fields = {f: getattr(create, f) for f in ("name", "model", "dataset", "target_batch_size")}
+    spec = RunSpec(run_id="run-test", tracker_public_key="00" * 32, **fields)
+    assert Ledger.of(spec, 0).with_spares
+    for averaging in (AveragingSpec(delay=1), AveragingSpec(inner_steps=4)):
+        assert not Ledger.of(msgspec.structs.replace(spec, averaging=averaging), 0).with_spares
 
 
 def test_a_peer_done_is_not_done_once_allotted_more_and_a_revoked_one_is_written_off_only_while_silent_and_empty():

@@ -11,8 +11,10 @@ import pytest
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.protocol.messages import AveragingSpec
+from crowdtrain.protocol.messages import AveragingSpec, RunSpec
+from crowdtrain.tracker.collab import Peer, answer_wait
 from crowdtrain.tracker.config import TrackerConfig
+from crowdtrain.tracker.ledger import Share
 from crowdtrain.tracker.server import serve
 from tests.harness import until
 from tests.sim import PingServer, SimVolunteer, make_run_create
@@ -386,6 +388,92 @@ async def test_a_late_peer_is_revoked_long_before_its_silence_limit_and_a_round_
     assert (late.status, late.global_step) == ("missed", 1)
 
 
+@pytest.mark.tracker_config(heartbeat_interval_s=10.0, peer_ttl_s=60.0)
+async def test_spares_close_the_step_on_its_target_while_a_peer_sleeps_and_its_ready_is_awaited_as_long_as_its_answers_take(
+    client,
+):
+    """Backup workers (issue 27): at step 1, b reports 8 of its 40 samples and falls asleep. Once a and c are
+    done and b is past its time, spares open: the step watch answers, a and c are allotted b's 32 once more
+    and close the step on its target. At the close b holds samples, so its ready call is awaited, but for as
+    long as its answers to closes took (step 0: within a round trip), not ``gather_s`` (30 s): the round forms
+    on a and c. Waking, b hears it missed the step."""
+    run_id = await new_run(client, target=120, gather_s=30.0)
+    a, b, c = await joined(client, run_id, 3)
+    vols = (a, b, c)
+    for v in vols:  # step 0: every peer answers the close at once (timed)
+        await v.heartbeat(0, 0, samples_per_s=40.0)
+    for v in vols:
+        await v.heartbeat(0, 40, samples_per_s=40.0)
+    formed = await asyncio.wait_for(asyncio.gather(*(v.ready(0, 40) for v in vols)), 12)
+    assert [r.status for r in formed] == ["group"] * 3
+    for v in vols:
+        assert (await v.heartbeat(1, 0, samples_per_s=40.0)).allotment == 40
+    await b.heartbeat(1, 8, samples_per_s=40.0)  # then asleep: its rest (32) should take 0.8 s
+    for v in (a, c):
+        await v.heartbeat(1, 40, samples_per_s=40.0)
+    answer = await client.watch_step(run_id, 1, wait_s=12)  # (b's silence limit is 15 s)
+    assert (answer.step_closed, answer.free) == (False, 32), answer
+    more = [(await v.heartbeat(1, 40, samples_per_s=40.0)).allotment for v in (a, c)]
+    assert more == [56, 56]
+    assert (await a.heartbeat(1, 56, samples_per_s=40.0)).step_closed is False
+    assert (await c.heartbeat(1, 56, samples_per_s=40.0)).step_closed  # 8 (b's) + 112: the target
+    replies = await asyncio.wait_for(asyncio.gather(a.ready(1, 56), c.ready(1, 56)), 12)
+    assert [r.status for r in replies] == ["group", "group"]  # not held gather_s for b's ready call
+    members = {m.peer_id for m in replies[0].assignment.members}
+    members |= {m.peer_id for p in replies[0].later_phases for m in p.members}
+    assert members == {a.peer_id, c.peer_id}
+    [record] = [r for r in (await client.status(run_id)).recent_steps if r.step == 1]
+    assert record.samples == 112  # b's 8 are not in it
+    late = await b.ready(1, 8, wait_s=1)
+    assert (late.status, late.global_step) == ("missed", 2)
+
+
+@pytest.mark.tracker_config(heartbeat_interval_s=10.0, peer_ttl_s=60.0)
+async def test_a_spare_left_untaken_by_a_peer_asleep_does_not_wake_every_watch_at_each_heartbeat(client):
+    """Regression (issue 27, a heavy-tail run's tracker log): while a spare offered to a peer that fell
+    asleep stayed untaken, each heartbeat woke every step watch, each watch's answer made its volunteer
+    heartbeat at once, and two volunteers heartbeat every 2-5 ms for the rest of the step. A watch answers
+    ``free`` when more is offered than before the change, not while an old offer waits."""
+    run_id = await new_run(client, target=120, gather_s=30.0)
+    a, b, c = await joined(client, run_id, 3)
+    for v in (a, b, c):
+        assert (await v.heartbeat(0, 0, samples_per_s=40.0)).allotment == 40
+    await b.heartbeat(0, 8, samples_per_s=40.0)  # then asleep
+    for v in (a, c):
+        await v.heartbeat(0, 40, samples_per_s=40.0)
+    answer = await client.watch_step(run_id, 0, wait_s=12)
+    assert answer.free == 32, answer  # 16 each for a and c; c falls asleep and never takes its 16
+    assert (await a.heartbeat(0, 40, samples_per_s=40.0)).allotment == 56
+    held = (await b.heartbeat(0, 8, samples_per_s=40.0)).allotment  # awake (what it is allotted, by now)
+    watch = asyncio.create_task(client.watch_step(run_id, 0, wait_s=1.0))
+    for samples in (42, 44, 46):  # nothing more is offered: a computes its spare (slowly: it is not behind),
+        await asyncio.sleep(0.2)  # b reports (not silent) what it holds
+        await a.heartbeat(0, samples, samples_per_s=4.0)
+        assert (await b.heartbeat(0, 8, samples_per_s=40.0)).allotment == held
+    quiet = await watch
+    assert (quiet.step_closed, quiet.free) == (False, None), quiet
+
+
+def test_a_peer_is_awaited_at_a_close_for_its_own_answer_time_less_what_it_let_pass_unanswered():
+    """collab.answer_wait: gather_s until its answers were timed, then 4 × its slowest recent answer (at
+    least 0.3 s, at most gather_s); a micro-batch more only while one may be in flight; and what it already
+    let pass since spares asked every volunteer to report counts against it."""
+    create = make_run_create(target_batch_size=64, averaging=AveragingSpec(gather_s=2.0))
+    fields = {f: getattr(create, f) for f in ("name", "model", "dataset", "target_batch_size", "averaging")}
+    spec = RunSpec(run_id="r", tracker_public_key="00" * 32, micro_batch_size=8, **fields)
+    peer = Peer(peer_id="p", public_key="k", share=Share(step=3, samples=16, samples_per_s=40.0))
+    assert answer_wait(peer, 3, spec) == 2.0 + 8 / 40  # never timed: gather_s, and its micro-batch
+    peer.answer_s = 0.01
+    assert answer_wait(peer, 3, spec, in_flight=False) == 0.3  # (the floor)
+    peer.answer_s = 0.2
+    assert answer_wait(peer, 3, spec, in_flight=False) == 0.8
+    peer.answer_s = 1.0
+    assert answer_wait(peer, 3, spec, in_flight=False) == 2.0  # (at most gather_s)
+    assert answer_wait(peer, 3, spec, in_flight=False, unanswered_s=0.5) == 1.5
+    assert answer_wait(peer, 3, spec, in_flight=False, unanswered_s=5.0) == 0.0
+    assert answer_wait(peer, 4, spec) == 2.0  # samples of another step: nothing of this one in flight
+
+
 async def test_a_run_with_no_reachable_peer_closes_no_step_and_says_why(client):
     run_id = await new_run(client, target=20, gather_s=0.2)
     a, b = await joined(client, run_id, 2, reachable=False)  # both in client mode
@@ -425,11 +513,17 @@ async def test_a_round_whose_part_owner_left_is_not_formed_and_the_step_opens_ag
 
 async def test_a_contributor_still_in_its_micro_batch_is_waited_for_past_gather(client):
     """Regression (issue 13): with a micro-batch longer than the gather window, a contributor said "ready"
-    after the round had formed without it, and steps closed into rounds its samples never reached."""
-    run_id = await new_run(client, target=40, gather_s=0.2)
+    after the round had formed without it, and steps closed into rounds its samples never reached. (Here
+    the step closes on its timeout while slow owes samples; one at its allotment has nothing in flight.)"""
+    run_id = await new_run(client, target=40, gather_s=0.2, step_timeout_s=1.0)
     fast, slow = await joined(client, run_id, 2)
-    await fast.heartbeat(0, 20, samples_per_s=100.0)
-    assert (await slow.heartbeat(0, 20, samples_per_s=4.0)).step_closed  # 8 samples a micro-batch: 2 s
+    assert (await fast.heartbeat(0, 20, samples_per_s=100.0)).allotment == 20  # at its share
+    await slow.heartbeat(0, 12, samples_per_s=4.0)  # 8 to go: a micro-batch of 8 samples, 2 s
+
+    async def closed() -> bool:
+        return (await fast.heartbeat(0, 20, samples_per_s=100.0)).step_closed
+
+    await until(closed, 10, "the step's timeout closing it")
     early = asyncio.create_task(fast.ready(0, 20))
     await asyncio.sleep(1.0)  # far past gather_s
     assert not early.done()  # still waiting for the slow contributor

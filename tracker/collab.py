@@ -17,9 +17,11 @@ The rules volunteers rely on:
   peer holds them or was allotted them) with how many are free, so a peer at its allotment heartbeats for
   a share of them then, instead of polling for one.
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
-  the tracker gathers ready calls until every online peer at step N is ready or ``averaging.gather_s``
-  passed — plus, for a contributor still computing, the time of one of its micro-batches
-  (``micro_batch_size / samples_per_s``), at most ``round_timeout_s``. A round is never formed from
+  the tracker gathers ready calls until every online peer at step N is ready or its wait passed
+  (:func:`answer_wait`: ``averaging.gather_s`` until the tracker has timed its answers to closes, then
+  ANSWER_FACTOR × its slowest recent answer, within [ANSWER_FLOOR_S, ``gather_s``]) — plus, for a
+  contributor still computing, the time of one of its micro-batches (``micro_batch_size /
+  samples_per_s``), at most ``round_timeout_s``. A round is never formed from
   ready peers that all have weight 0: the tracker waits for the contributors still on their way (at most
   ``round_timeout_s`` after the close), then opens the step again. The history credits a step with the
   samples of the ready peers it averaged. It partitions the ready peers (:mod:`crowdtrain.tracker.matchmaking`), signs one
@@ -35,12 +37,16 @@ The rules volunteers rely on:
   ``STRAGGLE_FLOOR_S`` (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
   every interval whatever it does) loses what it has not computed: it keeps the samples it reported, counts as
   computing nothing, and the rest is freed at once for the others (the step watches answer). At the close its
-  ready call is gathered like anyone's (``gather_s``): a volunteer whose heartbeats were only late (an uplink
+  ready call is gathered like anyone's (:func:`answer_wait`): a volunteer whose heartbeats were only late (an uplink
   full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
   missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
   A *late* peer goes sooner (backup workers, :meth:`Ledger.overdue`): the others done and waiting half their
-  step, it past 1.5 × its own expected time and silent LATE_SILENT_S. A revoked peer holding nothing of the
-  step and silent since is not waited for at the close (``Ledger.written_off``).
+  step, it past 1.5 × its own expected time and silent LATE_SILENT_S. Sooner still, *spares*
+  (:meth:`Ledger.open_spares`, delay 0): once every peer that owes samples is behind its own time, what the
+  step lacks is allotted to the peers done with it (the step watches answer ``free``; every volunteer
+  reports at once, and a covered one that does is cut to what it holds), so the step closes on its target
+  without the sleeper. A revoked or covered peer holding nothing of the step and silent since is not waited
+  for at the close (``Ledger.written_off``); one holding samples is waited for as long as its answers take.
 * Peers silent for ``peer_ttl_s`` expire.
 * Who may serve the run's state, and which state newcomers fetch, is :mod:`crowdtrain.tracker.donors`'s:
   a peer vouches for the state of step N only if it took part in step N - 1 (or the state's hash was
@@ -91,6 +97,16 @@ STRAGGLE_FLOOR_S = 2.0
 # a late peer (Ledger.overdue: the others done and waiting, it past 1.5 × its own expected time) is revoked
 # once it has said nothing for this long: one that spoke within it is computing, only slower than it said
 LATE_SILENT_S = 1.0
+# After a close, a pending peer whose answers the tracker has timed (:func:`answer_wait`) is waited for
+# ANSWER_FACTOR × its slowest recent answer (a decaying maximum: × ANSWER_DECAY a round; one answer raises it
+# ANSWER_GROWTH × at most), at least ANSWER_FLOOR_S and at most ``gather_s``. A live volunteer answers a
+# close within a round trip (its step watch wakes it, or its micro-batch in flight ends; on a home line its
+# answers are slower, and so is its wait); one that does not is asleep, and the others do not wait
+# ``gather_s`` for it.
+ANSWER_FACTOR = 4.0
+ANSWER_FLOOR_S = 0.3
+ANSWER_DECAY = 0.8
+ANSWER_GROWTH = 2.0
 
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
@@ -118,6 +134,7 @@ class Peer:
     backbone: bool = False  # as its last heartbeat said: it computes no gradients
     upload_bps: float | None = None  # as its last heartbeat said: what its rounds went out at lately
     last_seen: float = 0.0  # monotonic
+    answer_s: float | None = None  # close → its ready call, done before the close (decaying max; answer_wait)
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
 
     def status(self) -> PeerStatus:
@@ -235,7 +252,7 @@ class RunState:
     def remove(self, peer_id: str) -> bool:
         if self.peers.pop(peer_id, None) is None:
             return False
-        free = self.ledger.free
+        free = self.ledger.offered
         self.ledger.remove(peer_id)
         self.freed_now(free)
         self.pending.discard(peer_id)
@@ -266,7 +283,7 @@ class RunState:
     def heartbeat(self, peer: Peer, hb: Heartbeat) -> HeartbeatReply:
         """Take a heartbeat (its evaluation checked by :func:`eval_refusal` first) and answer it."""
         now = time.monotonic()
-        free = self.ledger.free
+        free = self.ledger.offered
         share = self.ledger.report(
             peer.peer_id,
             step=hb.step,
@@ -290,8 +307,10 @@ class RunState:
         return _heartbeat_reply(self, peer, share)
 
     def freed_now(self, before: int) -> None:
-        """More samples of the open step are free than ``before``: the step watches answer (wait_close)."""
-        if self.closed_at is None and self.ledger.free > max(before, 0):
+        """More samples of the open step are offered (free, or spares not taken) than ``before`` (what was
+        offered before the change): the step watches answer (wait_close). Only more: an offer left untaken
+        (its peer asleep) must not wake every watch again at each heartbeat."""
+        if self.closed_at is None and self.ledger.offered > max(before, 0):
             self.freed += 1
             self._wake()
 
@@ -321,6 +340,7 @@ class RunState:
         if not self._any_owner():
             return
         self.closed_at = now
+        log.debug("run %s: step %d closed with %d samples", self.run_id, self.global_step, tally.samples)
         self._wake()
         # peers of the previous step are on their way here (their heartbeat may lag the step)
         pending = [
@@ -331,16 +351,7 @@ class RunState:
             and not self.ledger.written_off(p.peer_id)
         ]
         self.pending = {p.peer_id for p in pending}
-        # a contributor says "ready" once its micro-batch in flight is done: wait that long for it
-        slowest = max(
-            (
-                self.spec.micro_batch_size / p.share.samples_per_s
-                for p in pending
-                if p.share.step == self.global_step and p.share.samples > 0 and p.share.samples_per_s > 0
-            ),
-            default=0.0,
-        )
-        self.gather_until = now + min(avg.gather_s + slowest, avg.round_timeout_s)
+        self.gather_until = now + min(gather_wait(self, pending), avg.round_timeout_s)
         self.maybe_form(now)
 
     def _any_owner(self) -> bool:
@@ -401,6 +412,13 @@ class RunState:
             return
         phases = plan(candidates, self.spec.averaging.group_size, seed)
         step = self.global_step
+        log.debug(
+            "run %s: step %d forms its round on %s (not ready: %s)",
+            self.run_id,
+            step,
+            self.ready,
+            self.pending,
+        )
         assignments = sign_round(
             self.signer, self.run_id, step, seed, candidates, phases, self.peers, self.spec.averaging, now
         )
@@ -443,8 +461,8 @@ class RunState:
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
-            if self.freed != freed and self.global_step == step and self.ledger.free > 0:  # (not taken yet)
-                free = self.ledger.free
+            if self.freed != freed and self.global_step == step and self.ledger.offered > 0:
+                free = self.ledger.offered  # (freed, or spares opened, and not taken yet)
                 break
             freed = self.freed
             remaining = deadline - loop.time()
@@ -459,6 +477,8 @@ class RunState:
         """``POST /ready`` of a registered peer: :meth:`wait_ready`, the peer seen when it asks and when it
         is answered."""
         peer.last_seen = time.monotonic()
+        if step == self.global_step and self.closed_at is not None and peer.peer_id in self.pending:
+            answered(peer, time.time() - self.closed_at)
         reply = await self.wait_ready(peer.peer_id, step, weight, long_poll_s, ahead)
         if self.peers.get(peer.peer_id) is peer:
             peer.last_seen = time.monotonic()
@@ -545,6 +565,56 @@ def eval_refusal(run: RunState, report: EvalReport) -> str | None:
     return None
 
 
+def gather_wait(run: RunState, pending: list[Peer]) -> float:
+    """How long after its close ``run`` gathers ready calls: the longest :func:`answer_wait` of the pending
+    peers. When spares last opened, every step watch answered and each live volunteer reported at once: a
+    peer silent since has already let that much of its wait pass."""
+    asked = run.ledger.spares.last
+    unanswered = time.monotonic() - asked
+    return max(
+        (
+            answer_wait(
+                p,
+                run.global_step,
+                run.spec,
+                run.ledger.in_flight(p.peer_id),
+                unanswered if p.last_seen < asked else 0.0,
+            )
+            for p in pending
+        ),
+        default=0.0,
+    )
+
+
+def answer_wait(
+    peer: Peer, step: int, spec: RunSpec, in_flight: bool = True, unanswered_s: float = 0.0
+) -> float:
+    """How long after a close the tracker gathers ready calls for ``peer`` (pending): ``gather_s`` while its
+    answers were never timed, else ANSWER_FACTOR × its slowest recent answer within [ANSWER_FLOOR_S,
+    ``gather_s``]; plus one of its micro-batches if it holds samples of the step and may be computing one
+    (``in_flight``, :meth:`Ledger.in_flight`: one in flight is finished before it says "ready"); less the
+    ``unanswered_s`` it has already let pass since it was asked to report (spares opened) and said nothing."""
+    share, gather_s = peer.share, spec.averaging.gather_s
+    wait = (
+        gather_s
+        if peer.answer_s is None
+        else min(gather_s, max(ANSWER_FLOOR_S, ANSWER_FACTOR * peer.answer_s))
+    )
+    if share.step == step and share.samples > 0 and share.samples_per_s > 0 and in_flight:
+        wait += spec.micro_batch_size / share.samples_per_s
+    return max(0.0, wait - unanswered_s)
+
+
+def answered(peer: Peer, delay: float) -> None:
+    """``peer`` said "ready" ``delay`` seconds after its step closed: timed, if it had reached its allotment
+    before the close (its answer is then a round trip, not a micro-batch and a round trip)."""
+    done_at = peer.share.done_at
+    if done_at >= 0 and time.monotonic() - done_at >= delay:
+        old = peer.answer_s
+        # (one answer from a peer that fell asleep at the close, then woke, raises it 2× at most)
+        peer.answer_s = delay if old is None else max(ANSWER_DECAY * old, min(delay, ANSWER_GROWTH * old))
+
+
 def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
     """What a heartbeat is told: the run's step and progress, where the peer is reached, and its shares."""
     return HeartbeatReply(
@@ -573,12 +643,20 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
     if run.closed_at is not None or run.closed is not None:
         return []
     now = time.monotonic()
+    if run.ledger.open_spares(now):  # the step watches answer: the peers done ask for them, the rest report
+        log.debug(
+            "run %s: spares %s for the rest of %s",
+            run.run_id,
+            run.ledger.spares.offered,
+            run.ledger.spares.covered,
+        )
+        run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
     revoked = []
     for peer in suspects:
-        free = run.ledger.free
+        free = run.ledger.offered
         owed = run.ledger.revoke(peer.peer_id)
         if owed:
             revoked.append(peer.peer_id)

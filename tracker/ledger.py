@@ -24,7 +24,8 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
 * **Allotment.** What is left of the target (the samples no peer holds yet) is shared out by rate: a peer's
   fair share is what it holds plus ``left × its rate ÷ the rate of every peer that computes`` (an unknown
   rate counts as the mean), within what the others do not hold or were not allotted, never less than it
-  holds. The allotments never sum above the target, so a step closes on exactly its target (or below it).
+  holds. The allotments never sum above the target (but for spares), so a step closes on its target (or
+  below it).
 * **Ahead share** (delay 1). A peer may compute ahead for the next step its share of a step by rate among
   the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
   mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
@@ -35,6 +36,16 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
   also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
   step and has not spoken since is written off: the round does not wait for its ready call.
+* **Spares** (backup workers, issue 27; delay 0, one inner step). Once the first peer done with the open
+  step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
+  still owes samples is past the time its rest should have taken at its rate (from its last report, plus
+  SPARE_MARGIN_S or SPARE_FRACTION of that rest), the peers done with the step are allotted what the step
+  still lacks, by rate (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
+  peer that left its offer untaken gets none then). The allotments then sum above the target; the step
+  closes on whoever reaches it. A covered peer that reports again (its step watch answers, so a
+  live one reports at once) is allotted what it holds: it stops, and the spares compute its rest, so the
+  step still closes on its target. Nobody is left out for being covered: a frozen peer's ready call is
+  gathered like anyone's at the close, and what it computed is dropped only if it does not answer.
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from crowdtrain.protocol.addresses import Origin
@@ -65,6 +77,11 @@ RATE_DUST = 1e-6
 # LATE_GRACE_S.
 LATE_FACTOR = 1.5
 LATE_GRACE_S = 0.5
+# Spares (see the rules above): the first peer done waits SPARE_WAIT_S, or SPARE_FRACTION of its step, and
+# a peer owing samples is behind once past its time by SPARE_MARGIN_S, or SPARE_FRACTION of its rest.
+SPARE_WAIT_S = 0.1
+SPARE_FRACTION = 0.15
+SPARE_MARGIN_S = 0.15
 # A peer is on probation (its rate counts at most the established peers' median) until it took part in
 # this many rounds.
 PROBATION_STEPS = 3
@@ -92,6 +109,7 @@ class Share:
     done_at: float = -1.0  # when it reached its allotment of ``step`` (monotonic); -1: it owes samples
     peer_id: str = ""
     rounds: int = 0  # rounds it took part in (PROBATION_STEPS)
+    stopped: bool = False  # its last report reached the allotment it had been told, and it got no more
 
 
 @dataclass(slots=True)
@@ -130,6 +148,80 @@ class Tally:
             self.reserved += sign * max(share.allotted, share.samples)
 
 
+class Spares:
+    """The spares of the open step (the module docstring's rule; :meth:`Ledger.open_spares`)."""
+
+    __slots__ = ("covered", "given", "last", "offered")
+
+    def __init__(self) -> None:
+        self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
+        self.given: set[str] = set()  # the peers allotted a spare
+        self.covered: set[str] = set()  # the peers whose rest they cover, silent since
+        self.last = -math.inf  # when they last opened
+
+    def open(
+        self, at_step: list[Share], missing: int, now: float, room: Callable[[Share], int], micro: int
+    ) -> int:
+        """Open them if the rule says so, from the shares of the peers at the open step and the samples the
+        step still lacks; returns the samples offered (0: none). Only once every peer that owes samples is
+        behind (one on time keeps its share); again once those given spares are behind too (one fell asleep
+        computing them), and then not to a peer that left its last offer untaken. They go to the peers that
+        compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
+        catch-up), by rate, each within its room (``room``: the share cap) and at least a micro-batch
+        (``micro``) where its room allows, so a spare is never a sliver of a micro-batch."""
+        if missing <= 0 or now - self.last < SPARE_WAIT_S:
+            return 0
+        idle = [
+            s
+            for s in at_step
+            if s.computing
+            and s.allotted <= s.samples
+            and s.peer_id not in self.offered
+            and room(s) > s.samples
+        ]
+        done = [s for s in idle if s.done_at >= 0]
+        if not idle:
+            return 0
+        # the first peer done has waited a little (or a peer idle at the step since its last report)
+        first = min(s.done_at if s.done_at >= 0 else s.counted_at for s in idle)
+        took = min((s.done_at - s.step_since for s in done), default=0.0)
+        if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
+            return 0
+        behind = set()
+        for s in at_step:
+            owed = s.allotted - s.samples
+            if not s.computing or owed <= 0:
+                continue
+            if s.samples_per_s <= 0:
+                return 0  # (its time is unknown: it is not behind)
+            rest = owed / s.samples_per_s
+            due = max(s.counted_at, s.step_since) + rest
+            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
+                return 0  # one on time: no spares (they would cut its share, and idle the others no less)
+            behind.add(s.peer_id)
+        if not behind:
+            return 0
+        rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
+        mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)
+        rates = {s.peer_id: s.samples_per_s if s.samples_per_s > 0 else mean for s in idle}
+        total = sum(rates.values())
+        self.last = now
+        self.covered |= behind
+        # every peer that owes samples is behind: what the step lacks goes to the idle ones, by rate
+        self.offered = {}
+        for s in idle:
+            fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
+            self.offered[s.peer_id] = min(fair, room(s) - s.samples)
+        return sum(self.offered.values())
+
+    def take(self, peer_id: str) -> int:
+        """The spare ``peer_id`` is allotted now (0: none)."""
+        spare = self.offered.pop(peer_id, 0)
+        if spare:
+            self.given.add(peer_id)
+        return spare
+
+
 class _Change:
     """:meth:`Ledger._changing`'s context (a class, not a generator: it runs several times per heartbeat)."""
 
@@ -159,6 +251,7 @@ class Ledger:
         *,
         step: int = 0,
         delay: bool = False,
+        spares: bool = False,
     ) -> None:
         self.run_id = run_id  # (for the log)
         self.target = target
@@ -171,6 +264,8 @@ class Ledger:
         # what ready calls of this step said was computed ahead for the next one (credited), and when
         self._ahead: dict[str, tuple[int, float]] = {}
         self._revoked: set[str] = set()  # revoked at the open step and silent since
+        self.with_spares = spares  # the spares rule applies (delay 0, one inner step)
+        self.spares = Spares()  # of the open step
         self.origins = Origins()  # where each peer's requests come from (identities per address)
         self._median_rate: float | None = None  # of the peers past probation, taken as each round forms
 
@@ -183,6 +278,7 @@ class Ledger:
             spec.averaging.max_peer_share,
             step=step,
             delay=bool(spec.averaging.delay),
+            spares=not spec.averaging.delay and spec.averaging.inner_steps == 1,
         )
 
     def _changing(self, share: Share) -> _Change:
@@ -229,9 +325,32 @@ class Ledger:
         return owed
 
     def written_off(self, peer_id: str) -> bool:
-        """Revoked at the open step, silent since, holding nothing of it: no round waits for its ready call."""
+        """Revoked at the open step, or its rest covered by spares, silent since, holding nothing of it: no
+        round waits for its ready call (it would bring no samples)."""
         share = self._shares.get(peer_id)
-        return peer_id in self._revoked and share is not None and share.samples == 0
+        silent = peer_id in self._revoked or peer_id in self.spares.covered
+        return silent and share is not None and share.samples == 0
+
+    def open_spares(self, now: float) -> int:
+        """Spares (the module docstring's rule): what the step lacks, once every peer that owes samples is
+        behind its time, allotted to the peers done with the step, by rate; returns how many (0: none)."""
+        if not self.with_spares:
+            return 0
+        at_step = [s for s in self._shares.values() if s.step == self.step]
+        missing = self.target - self.tally.samples
+        return self.spares.open(at_step, missing, now, self._room, self.micro_batch_size)
+
+    def in_flight(self, peer_id: str) -> bool:
+        """Whether the peer may be computing a micro-batch of the open step: not if it last reported the
+        allotment it had been told and was allotted no more (it stopped there), nor if spares covered it and
+        it has been silent since."""
+        share = self._shares.get(peer_id)
+        return share is not None and not share.stopped and peer_id not in self.spares.covered
+
+    @property
+    def offered(self) -> int:
+        """What a peer done with the open step may ask for: the free samples and the spares not taken."""
+        return max(0, self.free) + sum(self.spares.offered.values())
 
     def overdue(self, now: float) -> list[str]:
         """The peers late at the open step (the module docstring's rule); none until a peer is done with it."""
@@ -283,6 +402,7 @@ class Ledger:
         """A heartbeat: credit its samples, take its rate, allot it its share of the step (none while the
         step is closed or the peer is at another one) and, with delay 1, what it may compute ahead."""
         share = self._shares[peer_id]
+        told = share.allotted if share.step == step == self.step else 0
         with self._changing(share):
             # A heartbeat for a step before the peer's (sent before it heard that a round moved it on,
             # answered after) says nothing of the step it is at: crediting it would move the peer back, free
@@ -296,6 +416,8 @@ class Ledger:
             share.samples_per_s = samples_per_s
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
         self._revoked.discard(peer_id)  # it spoke
+        self.spares.covered.discard(peer_id)
+        share.stopped = 0 < told <= share.samples and share.allotted <= share.samples
         if step_open:
             self._mark_done(share, now)
         share.ahead_share = self._ahead_share(share) if self.delay else None
@@ -307,6 +429,7 @@ class Ledger:
         no more than the weight or the peer's ahead share, whichever is larger, nor the share cap."""
         share = self._shares.get(peer_id)
         self._revoked.discard(peer_id)
+        self.spares.covered.discard(peer_id)
         if share is None:
             self._ahead[peer_id] = (0, now)
             return 0
@@ -322,6 +445,7 @@ class Ledger:
         """The step opens again (no round formed): what its ready calls said was computed ahead is void."""
         self._ahead = {}
         self._revoked = set()
+        self.spares = Spares()
 
     # ------------------------------------------------------------ what peers are told
 
@@ -424,8 +548,11 @@ class Ledger:
             return share.samples
         t = self.tally
         free = self.target - t.reserved - share.samples
-        if free <= 0:
-            return share.samples
+        if free <= 0:  # (spares: the allotments sum above the target; a peer given one keeps it)
+            if share.samples < share.allotted:  # a covered peer stops at what it holds
+                return share.allotted if share.peer_id in self.spares.given else share.samples
+            spare = self.spares.take(share.peer_id)
+            return share.samples + min(spare, max(0, self._room(share) - share.samples))
         r = share.samples_per_s
         rated, unrated = t.rated + (r > 0), t.unrated + (r <= 0)
         known = max(0.0, t.rate_sum - t.idle_rate) + max(r, 0.0)
@@ -460,6 +587,7 @@ class Ledger:
         self.step += 1
         self.tally = self.recount()
         ahead, self._ahead, self._revoked = self._ahead, {}, set()
+        self.spares = Spares()
         shares = [(peer_id, self._shares[peer_id]) for peer_id in moved]
         # those done with the step compute ahead (delay 1), up to their ahead share, until they hear of this
         # round: more than their ready call said, so their allotment holds that share (see _allot_ahead)
@@ -467,7 +595,7 @@ class Ledger:
         shares.sort(key=lambda ps: ps[0] not in done)
         for peer_id, share in shares:
             with self._changing(share):
-                share.step, share.computing = self.step, True
+                share.step, share.computing, share.stopped = self.step, True, False
                 share.samples = min(ahead.get(peer_id, (0, now))[0], self.target)
                 share.allotted = 0  # its allotment of the step before must not hold samples of this one
                 share.step_base, share.step_since = share.samples, now

@@ -66,7 +66,7 @@ log = logging.getLogger("crowdtrain.tracker")
 RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
 LISTEN_BACKLOG = 1024  # connections waiting to be accepted (a crowd announcing at once)
-STRAGGLE_CHECK_S = 0.25  # how often each run looks for stragglers (collab.revoke_stragglers: O(peers))
+STRAGGLE_CHECK_S = 0.1  # how often each run looks for stragglers and spares (revoke_stragglers: O(peers))
 
 
 class TokenBucket:

@@ -3,8 +3,8 @@
 A step's close reaches the volunteer within a round trip: :meth:`TrackerLink.watch` long-polls for it. What the
 tracker last said of the step (:attr:`TrackerLink.news`, from the watch or a heartbeat's reply, whichever came
 last; announced by :attr:`TrackerLink.changed`) is what the training loop acts on. The watch also answers when
-samples of the open step were freed (:attr:`TrackerLink.freed`): a peer at its allotment then heartbeats for a
-share of them. So a peer waiting at its allotment costs the tracker nothing (a long-poll), and heartbeats keep
+samples of the open step were freed or spares opened (:attr:`TrackerLink.freed`): the peer heartbeats at once,
+so one at its allotment gets a share of them and one still computing shows it is alive. So a peer waiting at its allotment costs the tracker nothing (a long-poll), and heartbeats keep
 their interval. The tracker's share of each step for this peer arrives in heartbeat and ready replies and is
 kept in one :class:`Allotment`. Ready calls start in one place, :meth:`TrackerLink.ask_ready`; a call for a step
 already asked is the same call, and one can be made the moment a step's close is heard
@@ -39,7 +39,8 @@ WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 class Allotment:
     """This peer's share of a step, as the tracker last said it (a heartbeat's reply for the current step, a
     ready reply for the next): every peer stops at its allotment and reports at once, and the allotments never
-    sum above the target, so the step closes on exactly its target."""
+    sum above the target (but for the tracker's spares: a peer done with the step may be allotted the rest of
+    one behind it, which is then allotted what it holds), so the step closes on its target."""
 
     step: int = -1
     samples: int | None = None
@@ -210,7 +211,7 @@ class TrackerLink:
     async def watch(self) -> None:
         """Hear of a step's close within a round trip (a long-poll), not at the next heartbeat: the training
         loop acts on it (and a ready call waiting for it goes out at once); hear too that samples of the step
-        were freed (:attr:`freed`: a peer at its allotment heartbeats for a share of them)."""
+        were freed or spares opened (:attr:`freed`: the peer heartbeats at once)."""
         run = self.run
         while not run.stopping:
             step = run.pos.step
@@ -229,6 +230,10 @@ class TrackerLink:
             elif watch.free:
                 self.freed = True
                 self.changed.set()
+                # report now, mid-micro-batch if need be: a peer at its share asks for its part of what is
+                # free; one still computing whose rest the tracker gave others as spares is cut to what it
+                # holds (the step closes on its target), and shows it is alive
+                self.poke()
 
     def _hear(self, global_step: int, step_closed: bool) -> None:
         """The tracker's word on the step, from a heartbeat's reply or the watch: kept unless it is older
