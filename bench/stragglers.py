@@ -64,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--delay", type=int, default=0, choices=(0, 1), help="[averaging] delay of the runs")
     ap.add_argument("--gather", type=float, default=1.0, help="[averaging] gather_s of the runs")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument(
+        "--tracker-log", type=Path, help="a file: the tracker's debug log (closes, rounds, spares)"
+    )
     ap.add_argument("--timeline", action="store_true", help="each stall: the phase it began in, what it cost")
     ap.add_argument(
         "--events",
@@ -377,6 +380,11 @@ def cells(row: dict, base: dict | None) -> list[str]:
 async def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.tracker_log:
+        handler = logging.FileHandler(args.tracker_log)
+        handler.setFormatter(logging.Formatter("%(created).3f %(message)s"))
+        logging.getLogger("crowdtrain.tracker").setLevel(logging.DEBUG)
+        logging.getLogger("crowdtrain.tracker").addHandler(handler)
     print(
         f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 128 × 4, target {args.target}, "
         f"micro {args.micro}; {args.seconds:.0f} s a run",

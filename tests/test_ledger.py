@@ -443,6 +443,27 @@ def test_spares_reach_a_peer_idle_at_the_step_with_nothing_allotted():
     assert_tally_is_the_sum(book)
 
 
+def test_a_peer_held_in_its_round_is_not_behind_for_the_time_the_round_took():
+    """Regression (issue 27, a heavy-tail run's tracker log): a round held 1.8 s by a member asleep kept its
+    other members from their next step; timed from when the round formed, they all looked behind, so spares
+    went to the one peer outside the round and cut the others to what they held. A heartbeat of the step
+    before, with nothing of the new one reported, says the peer had not begun it: its time runs from then."""
+    book = spared()
+    for name in ("a", "b", "c"):
+        beat(book, name, 40, 10.0, now=4.0)
+    book.advance(["a", "b", "c"], now=4.1)  # the round of step 0 forms; a's part is held 3.9 s
+    for name in ("a", "b", "c"):
+        beat(book, name, 0, 10.0, now=4.5, step=0)  # (sent during the round)
+    assert book.share("b").step_since == 4.5
+    for name in ("a", "b"):
+        beat(book, name, 0, 10.0, now=8.0, step=0)  # still in the round
+    for name in ("a", "b", "c"):  # the round ends at 8.0: 40 each at 10 samples/s, due at 12.0
+        assert book.share(name).allotted == 40
+    beat(book, "c", 40, 10.0, now=8.2)  # c was quick (it had no part held): done
+    assert book.open_spares(8.8) == 0  # a and b are on time from 8.0 (from 4.1, they would be behind)
+    assert beat(book, "a", 16, 10.0, now=9.6).allotted == 40
+
+
 def test_no_spares_with_delay_1_or_local_steps_or_without_a_peer_done():
     book = spared()
     assert book.open_spares(100.0) == 0  # nobody is done: nobody to give them to

@@ -456,7 +456,7 @@ async def test_a_spare_left_untaken_by_a_peer_asleep_does_not_wake_every_watch_a
 
 def test_a_peer_is_awaited_at_a_close_for_its_own_answer_time_less_what_it_let_pass_unanswered():
     """collab.answer_wait: gather_s until its answers were timed, then 4 × its slowest recent answer (at
-    least 0.3 s, at most gather_s); a micro-batch more only while one may be in flight; and what it already
+    least 0.15 s, at most gather_s); a micro-batch more only while one may be in flight; and what it already
     let pass since spares asked every volunteer to report counts against it."""
     create = make_run_create(target_batch_size=64, averaging=AveragingSpec(gather_s=2.0))
     fields = {f: getattr(create, f) for f in ("name", "model", "dataset", "target_batch_size", "averaging")}
@@ -464,7 +464,7 @@ def test_a_peer_is_awaited_at_a_close_for_its_own_answer_time_less_what_it_let_p
     peer = Peer(peer_id="p", public_key="k", share=Share(step=3, samples=16, samples_per_s=40.0))
     assert answer_wait(peer, 3, spec) == 2.0 + 8 / 40  # never timed: gather_s, and its micro-batch
     peer.answer_s = 0.01
-    assert answer_wait(peer, 3, spec, in_flight=False) == 0.3  # (the floor)
+    assert answer_wait(peer, 3, spec, in_flight=False) == 0.15  # (the floor)
     peer.answer_s = 0.2
     assert answer_wait(peer, 3, spec, in_flight=False) == 0.8
     peer.answer_s = 1.0

@@ -104,7 +104,7 @@ LATE_SILENT_S = 1.0
 # answers are slower, and so is its wait); one that does not is asleep, and the others do not wait
 # ``gather_s`` for it.
 ANSWER_FACTOR = 4.0
-ANSWER_FLOOR_S = 0.3
+ANSWER_FLOOR_S = 0.15
 ANSWER_DECAY = 0.8
 ANSWER_GROWTH = 2.0
 

@@ -39,8 +39,9 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
 * **Spares** (backup workers, issue 27; delay 0, one inner step). Once the first peer done with the open
   step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
   still owes samples is past the time its rest should have taken at its rate (from its last report, plus
-  SPARE_MARGIN_S or SPARE_FRACTION of that rest), the peers done with the step are allotted what the step
-  still lacks, by rate (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
+  SPARE_MARGIN_S or SPARE_FRACTION of that rest), the peers that owe nothing (done with the step, or idle at
+  it with nothing allotted) are allotted what the step still lacks, by rate, each within its share cap and a
+  micro-batch at least (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
   peer that left its offer untaken gets none then). The allotments then sum above the target; the step
   closes on whoever reaches it. A covered peer that reports again (its step watch answers, so a
   live one reports at once) is allotted what it holds: it stops, and the spares compute its rest, so the
@@ -403,6 +404,11 @@ class Ledger:
         step is closed or the peer is at another one) and, with delay 1, what it may compute ahead."""
         share = self._shares[peer_id]
         told = share.allotted if share.step == step == self.step else 0
+        if step < share.step == self.step and share.samples <= share.step_base:
+            # a heartbeat of the step before, from a peer that has reported nothing of this one: it had not
+            # begun this step when it sent it (its round was still under way, e.g. held by a member asleep),
+            # so its time at this step runs from now, not from when the round formed (spares, the late rule)
+            share.step_since = max(share.step_since, now)
         with self._changing(share):
             # A heartbeat for a step before the peer's (sent before it heard that a round moved it on,
             # answered after) says nothing of the step it is at: crediting it would move the peer back, free
