@@ -36,10 +36,12 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
   also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
   step and has not spoken since is written off: the round does not wait for its ready call.
-* **Spares** (backup workers, issue 27; delay 0, one inner step). Once the first peer done with the open
+* **Spares** (backup workers, issue 27; delay 0, one inner step; the rule's code is
+  :mod:`crowdtrain.tracker.backup`'s, with the late rule's). Once the first peer done with the open
   step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
   still owes samples is past the time its rest should have taken at its rate (from its last report, plus
-  SPARE_MARGIN_S or SPARE_FRACTION of that rest), the peers that owe nothing (done with the step, or idle at
+  SPARE_MARGIN_S or SPARE_FRACTION of that rest; a peer that has not reported at the step since its round
+  moved it there is not behind: its round may still be under way), the peers that owe nothing (done with the step, or idle at
   it with nothing allotted) are allotted what the step still lacks, by rate, each within its share cap and a
   micro-batch at least (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
   peer that left its offer untaken gets none then). The allotments then sum above the target; the step
@@ -57,11 +59,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.messages import RunSpec
+from crowdtrain.tracker.backup import Spares, late
 from crowdtrain.tracker.origins import Origins
 
 log = logging.getLogger("crowdtrain.tracker")
@@ -73,16 +75,6 @@ SAMPLES_SLACK = 4.0
 # where the exact sum is 0: what is left of a step divided by it gave ETAs of 2**47 s. A sum of rates
 # below RATE_DUST (samples per second: one sample in 11 days) is that dust, and counts as 0.
 RATE_DUST = 1e-6
-# A peer that owes samples is late (see the rules above) past LATE_FACTOR × what its rest should take, plus
-# LATE_GRACE_S, once the peers done with the step have waited (LATE_FACTOR - 1) × their step, at least
-# LATE_GRACE_S.
-LATE_FACTOR = 1.5
-LATE_GRACE_S = 0.5
-# Spares (see the rules above): the first peer done waits SPARE_WAIT_S, or SPARE_FRACTION of its step, and
-# a peer owing samples is behind once past its time by SPARE_MARGIN_S, or SPARE_FRACTION of its rest.
-SPARE_WAIT_S = 0.1
-SPARE_FRACTION = 0.15
-SPARE_MARGIN_S = 0.15
 # A peer is on probation (its rate counts at most the established peers' median) until it took part in
 # this many rounds.
 PROBATION_STEPS = 3
@@ -111,6 +103,7 @@ class Share:
     peer_id: str = ""
     rounds: int = 0  # rounds it took part in (PROBATION_STEPS)
     stopped: bool = False  # its last report reached the allotment it had been told, and it got no more
+    begun: bool = False  # it reported at its step since a round moved it there (it began computing it)
 
 
 @dataclass(slots=True)
@@ -147,80 +140,6 @@ class Tally:
             self.samples += sign * share.samples
             self.contributors += sign * (share.samples > 0)
             self.reserved += sign * max(share.allotted, share.samples)
-
-
-class Spares:
-    """The spares of the open step (the module docstring's rule; :meth:`Ledger.open_spares`)."""
-
-    __slots__ = ("covered", "given", "last", "offered")
-
-    def __init__(self) -> None:
-        self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
-        self.given: set[str] = set()  # the peers allotted a spare
-        self.covered: set[str] = set()  # the peers whose rest they cover, silent since
-        self.last = -math.inf  # when they last opened
-
-    def open(
-        self, at_step: list[Share], missing: int, now: float, room: Callable[[Share], int], micro: int
-    ) -> int:
-        """Open them if the rule says so, from the shares of the peers at the open step and the samples the
-        step still lacks; returns the samples offered (0: none). Only once every peer that owes samples is
-        behind (one on time keeps its share); again once those given spares are behind too (one fell asleep
-        computing them), and then not to a peer that left its last offer untaken. They go to the peers that
-        compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
-        catch-up), by rate, each within its room (``room``: the share cap) and at least a micro-batch
-        (``micro``) where its room allows, so a spare is never a sliver of a micro-batch."""
-        if missing <= 0 or now - self.last < SPARE_WAIT_S:
-            return 0
-        idle = [
-            s
-            for s in at_step
-            if s.computing
-            and s.allotted <= s.samples
-            and s.peer_id not in self.offered
-            and room(s) > s.samples
-        ]
-        done = [s for s in idle if s.done_at >= 0]
-        if not idle:
-            return 0
-        # the first peer done has waited a little (or a peer idle at the step since its last report)
-        first = min(s.done_at if s.done_at >= 0 else s.counted_at for s in idle)
-        took = min((s.done_at - s.step_since for s in done), default=0.0)
-        if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
-            return 0
-        behind = set()
-        for s in at_step:
-            owed = s.allotted - s.samples
-            if not s.computing or owed <= 0:
-                continue
-            if s.samples_per_s <= 0:
-                return 0  # (its time is unknown: it is not behind)
-            rest = owed / s.samples_per_s
-            due = max(s.counted_at, s.step_since) + rest
-            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
-                return 0  # one on time: no spares (they would cut its share, and idle the others no less)
-            behind.add(s.peer_id)
-        if not behind:
-            return 0
-        rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
-        mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)
-        rates = {s.peer_id: s.samples_per_s if s.samples_per_s > 0 else mean for s in idle}
-        total = sum(rates.values())
-        self.last = now
-        self.covered |= behind
-        # every peer that owes samples is behind: what the step lacks goes to the idle ones, by rate
-        self.offered = {}
-        for s in idle:
-            fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
-            self.offered[s.peer_id] = min(fair, room(s) - s.samples)
-        return sum(self.offered.values())
-
-    def take(self, peer_id: str) -> int:
-        """The spare ``peer_id`` is allotted now (0: none)."""
-        spare = self.offered.pop(peer_id, 0)
-        if spare:
-            self.given.add(peer_id)
-        return spare
 
 
 class _Change:
@@ -354,23 +273,8 @@ class Ledger:
         return max(0, self.free) + sum(self.spares.offered.values())
 
     def overdue(self, now: float) -> list[str]:
-        """The peers late at the open step (the module docstring's rule); none until a peer is done with it."""
-        finished = [s for s in self._shares.values() if s.step == self.step and s.done_at >= 0]
-        if not finished:
-            return []
-        last_done = max(s.done_at for s in finished)
-        took = max(s.done_at - s.step_since for s in finished)
-        if now - last_done < max(LATE_GRACE_S, (LATE_FACTOR - 1) * took):
-            return []
-        late = []
-        for peer_id, s in self._shares.items():
-            owed = s.allotted - s.samples
-            if s.step != self.step or not s.computing or owed <= 0 or s.samples_per_s <= 0:
-                continue
-            reported = max(s.counted_at, s.step_since)
-            if now - reported >= LATE_FACTOR * owed / s.samples_per_s + LATE_GRACE_S:
-                late.append(peer_id)
-        return late
+        """The peers late at the open step (:func:`crowdtrain.tracker.backup.late`)."""
+        return late([s for s in self._shares.values() if s.step == self.step], now)
 
     def _mark_done(self, share: Share, now: float) -> None:
         """Note when a share reached its allotment of the open step (and forget it if it owes samples again)."""
@@ -423,6 +327,7 @@ class Ledger:
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
         self._revoked.discard(peer_id)  # it spoke
         self.spares.covered.discard(peer_id)
+        share.begun |= share.step == step
         share.stopped = 0 < told <= share.samples and share.allotted <= share.samples
         if step_open:
             self._mark_done(share, now)
@@ -601,7 +506,7 @@ class Ledger:
         shares.sort(key=lambda ps: ps[0] not in done)
         for peer_id, share in shares:
             with self._changing(share):
-                share.step, share.computing, share.stopped = self.step, True, False
+                share.step, share.computing, share.stopped, share.begun = self.step, True, False, False
                 share.samples = min(ahead.get(peer_id, (0, now))[0], self.target)
                 share.allotted = 0  # its allotment of the step before must not hold samples of this one
                 share.step_base, share.step_since = share.samples, now

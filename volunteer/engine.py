@@ -278,8 +278,7 @@ class Training:
             self._shown = ""
         else:
             return
-        if self.link.allotment.step != pos.step:  # no share of its new step came with the group: ask now
-            self.link.poke()
+        self.link.poke()  # it began its new step: say so (its share is timed from then; docs/tracker.md, 9)
 
     # ------------------------------------------------------------------ the allotment
 
