@@ -443,13 +443,14 @@ def test_spares_reach_a_peer_idle_at_the_step_with_nothing_allotted():
     assert_tally_is_the_sum(book)
 
 
-def test_a_peer_still_in_its_round_is_not_behind_until_it_says_it_began_its_step():
+def test_a_peer_still_in_its_round_is_not_covered_until_it_says_it_began_its_step():
     """Regression (issue 27): a round held 1.8 s by a member asleep kept its other members from their next
     step; timed from when the round formed, they all looked behind, so spares went to the one peer outside
     the round and cut the others to what they held (a heavy-tail run's tracker log). And a member still
-    sending its answers up a home line looked behind in the same way (spares taken back, 2026-11-24). A peer
-    is judged behind only once it reported at its step (volunteers report as they begin one), and a
-    heartbeat of the step before, sent with nothing of the new one, moves its start to then (the late rule)."""
+    sending its answers up a home line looked behind in the same way, and was left out (spares taken back,
+    2026-11-24). A peer is covered (cut to what it holds) only once it reported at its step (volunteers
+    report as they begin one); before, its rest may be offered, but it keeps its share. A heartbeat of the
+    step before, sent with nothing of the new one, moves its start to then."""
     book = spared()
     for name in ("a", "b", "c"):
         beat(book, name, 40, 10.0, now=4.0)
@@ -459,12 +460,14 @@ def test_a_peer_still_in_its_round_is_not_behind_until_it_says_it_began_its_step
     assert book.share("b").step_since == 4.5
     beat(book, "c", 0, 10.0, now=4.2)  # c began at once (it had no part held)
     assert beat(book, "c", 40, 10.0, now=8.2).done_at == 8.2
-    assert book.open_spares(9.3) == 0  # a and b (due at 8.5 from 4.5) have not said they began: not behind
+    # a and b (due at 8.5 from 4.5) have not said they began: their rest is offered to c (within its cap of
+    # 60), but they are not covered: they keep their shares
+    assert book.open_spares(9.3) == 20 and book.spares.offered == {"c": 20}
+    assert book.spares.covered == set()
     for name in ("a", "b"):
-        beat(book, name, 0, 10.0, now=8.0)  # their round ended: they begin (40 each, due at 12.0)
-    assert book.open_spares(9.0) == 0  # on time
-    # behind now (both asleep): c is offered their rest (80) within its cap (60 of 120)
-    assert book.open_spares(12.7) == 20 and book.spares.offered == {"c": 20}
+        assert beat(book, name, 0, 10.0, now=9.35).allotted == 40  # they begin now, and are not cut
+    assert beat(book, "c", 40, 10.0, now=9.4).allotted == 60
+    assert_tally_is_the_sum(book)
 
 
 def test_no_spares_with_delay_1_or_local_steps_or_without_a_peer_done():

@@ -7,9 +7,11 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   (:func:`crowdtrain.tracker.collab.revoke_stragglers`).
 * **Spares** (delay 0, one inner step; :class:`Spares`). Once the first peer done with the open step has
   waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and *every* peer that still owes samples is behind its
-  time (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest; one that has
-  not reported at the step since its round moved it there is not behind), what the step still lacks is
-  offered to the peers that owe nothing, by rate, each within its room and a micro-batch at least.
+  time (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step
+  still lacks is offered to the peers that owe nothing, by rate, each within its room and a micro-batch at
+  least. The peers behind are covered (one that reports is cut to what it holds), except one that has not
+  reported at the step since its round moved it there: it may still be in its round (held by a member
+  asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close.
 """
 
 from __future__ import annotations
@@ -93,21 +95,25 @@ class Spares:
         took = min((s.done_at - s.step_since for s in done), default=0.0)
         if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
             return 0
-        behind = set()
+        behind, unbegun = set(), False
         for s in at_step:
             owed = s.allotted - s.samples
             if not s.computing or owed <= 0:
                 continue
-            if s.samples_per_s <= 0 or not s.begun:
-                # its time is unknown (no rate, or it has not said it began the step: its round may still be
-                # under way, e.g. sending answers up a home line): it is not behind
-                return 0
+            if s.samples_per_s <= 0:
+                return 0  # (its time is unknown: it is not behind)
             rest = owed / s.samples_per_s
             due = max(s.counted_at, s.step_since) + rest
             if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
                 return 0  # one on time: no spares (they would cut its share, and idle the others no less)
-            behind.add(s.peer_id)
-        if not behind:
+            if s.begun:
+                behind.add(s.peer_id)
+            else:
+                # past its time, but it has not said it began the step: it may be asleep, or still in its
+                # round (sending answers up a home line). Its rest is offered, but it is not covered: it
+                # keeps its share, and is waited for at the close like anyone
+                unbegun = True
+        if not behind and not unbegun:
             return 0
         rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
         mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)

@@ -40,8 +40,8 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   :mod:`crowdtrain.tracker.backup`'s, with the late rule's). Once the first peer done with the open
   step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
   still owes samples is past the time its rest should have taken at its rate (from its last report, plus
-  SPARE_MARGIN_S or SPARE_FRACTION of that rest; a peer that has not reported at the step since its round
-  moved it there is not behind: its round may still be under way), the peers that owe nothing (done with the step, or idle at
+  SPARE_MARGIN_S or SPARE_FRACTION of that rest; one that has not reported at the step since its round
+  moved it there keeps its share: its round may still be under way), the peers that owe nothing (done with the step, or idle at
   it with nothing allotted) are allotted what the step still lacks, by rate, each within its share cap and a
   micro-batch at least (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
   peer that left its offer untaken gets none then). The allotments then sum above the target; the step
