@@ -440,6 +440,8 @@ def test_spares_reach_a_peer_idle_at_the_step_with_nothing_allotted():
     assert book.open_spares(4.7) == 33  # 32 lacking, in three (a, c, d at 10 samples/s): 11 each
     assert book.spares.offered == {"a": 11, "c": 11, "d": 11}
     assert beat(book, "d", 0, 0.0, now=4.75).allotted == 11
+    book.remove("c")  # it leaves with its offer untaken: the offer goes with it
+    assert book.spares.offered == {"a": 11}
     assert_tally_is_the_sum(book)
 
 

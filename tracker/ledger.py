@@ -222,6 +222,8 @@ class Ledger:
         if share is not None:
             self.tally.count(share, share.step == self.step, -1)
         self.origins.remove(peer_id)
+        self.spares.offered.pop(peer_id, None)  # (a spare offered to a peer gone is offered to nobody)
+        self.spares.covered.discard(peer_id)
         if forget_ahead:
             self._ahead.pop(peer_id, None)
 
