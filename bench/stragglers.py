@@ -21,7 +21,9 @@ Each run lasts ``--seconds`` of wall time from the run's first step. Measured fr
 and the volunteers' events: steps per minute (first to last step closed in the window), that ÷ the
 ``none`` run's under the same rule, the longest step of a volunteer that did not stall, samples
 dropped (Σ ``StepMissed.dropped_samples``: work computed on parameters the run had left), and where the
-volunteers' time went (the share of their summed time in each phase of theirs; their own stalls apart).
+volunteers' time went (the share of their summed time in each phase of theirs; their own stalls apart), and
+how busy the machine's CPUs were over the window (``/proc/stat``: the volunteers share its cores, so a
+volunteer stopped or waiting costs the run only where a core idles).
 
     .venv/bin/python bench/stragglers.py --markdown
     .venv/bin/python bench/stragglers.py --scenarios none,frozen --seconds 60
@@ -63,6 +65,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--delay", type=int, default=0, choices=(0, 1), help="[averaging] delay of the runs")
     ap.add_argument("--gather", type=float, default=1.0, help="[averaging] gather_s of the runs")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="heavy-tail, slow, slowed: one run each, the stalls switched on and off in turns of --window s, "
+        "against the turns without (--seconds a side): the machine's drift falls on both alike",
+    )
+    ap.add_argument("--window", type=float, default=20.0, help="seconds of a turn (--paired)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument(
         "--tracker-log", type=Path, help="a file: the tracker's debug log (closes, rounds, spares)"
@@ -82,9 +91,15 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-async def stall(scenario: str, procs: list[Proc], at_step: asyncio.Event, args: argparse.Namespace) -> None:
+async def stall(
+    scenario: str,
+    procs: list[Proc],
+    at_step: asyncio.Event,
+    args: argparse.Namespace,
+    rng: random.Random | None = None,
+) -> None:
     """Make ``scenario``'s stalls until cancelled (the volunteers that stall: STALLING)."""
-    rng = random.Random(27)
+    rng = rng or random.Random(27)
 
     def pid(p: Proc) -> int:
         assert p.proc is not None
@@ -138,6 +153,56 @@ def _computing_a_new_step(events: list[Any]) -> bool:
     return done is not None and any(
         type(e).__name__ == "PhaseChanged" and e.phase == "training" for e in events[done + 1 :]
     )
+
+
+PAIRED = ("heavy-tail", "slow", "slowed")  # (frozen is one event, not a rate: it is not paired)
+
+
+async def alternate(
+    scenario: str, procs: list[Proc], at_step: asyncio.Event, args: argparse.Namespace, turns: list[Turn]
+) -> None:
+    """--paired: ``scenario``'s stalls off and on in turns of ``--window`` seconds (off first) until
+    cancelled, each turn noted in ``turns``."""
+    rng, on = random.Random(27), False
+    while True:
+        turn = Turn(on, time.time(), cpu_times())
+        staller = asyncio.create_task(stall(scenario, procs, at_step, args, rng)) if on else None
+        try:
+            await asyncio.sleep(args.window)
+        finally:
+            if staller is not None:
+                staller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await staller
+            turn.end, turn.cpu_end = time.time(), cpu_times()
+            turns.append(turn)
+        on = not on
+
+
+class Turn:
+    """One turn of a --paired run: stalls on or off from ``start`` to ``end`` (wall clock)."""
+
+    # a turn's first seconds are left out: stalls of the turn before may still run (a stall is 9 ticks)
+    SETTLE_S = 2.0
+
+    def __init__(self, on: bool, start: float, cpu: tuple[int, int]) -> None:
+        self.on, self.start, self.cpu = on, start, cpu
+        self.end, self.cpu_end = start, cpu
+
+    def counts(self, closed: list[float]) -> tuple[int, float]:
+        """Steps closed in the turn after its settling, and those seconds."""
+        a = self.start + self.SETTLE_S
+        return sum(1 for t in closed if a <= t < self.end), max(0.0, self.end - a)
+
+
+def paired_side(turns: list[Turn], closed: list[float], on: bool) -> tuple[float, float]:
+    """Steps per minute and CPU busy share over the turns with the stalls ``on`` (or off)."""
+    mine = [t for t in turns if t.on == on]
+    steps = sum(t.counts(closed)[0] for t in mine)
+    seconds = sum(t.counts(closed)[1] for t in mine)
+    busy = sum(t.cpu_end[0] - t.cpu[0] for t in mine)
+    total = sum(t.cpu_end[1] - t.cpu[1] for t in mine)
+    return (60.0 * steps / seconds if seconds else float("nan"), busy / total if total else float("nan"))
 
 
 STALLS: list[tuple[int, float, float]] = []  # (pid, wall start, wall end) of each stall made (--timeline)
@@ -230,6 +295,9 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     tracker = {"straggler_intervals": 1.5 if rule == "on" else 0.0, "peer_ttl_s": 60.0}
     procs = [Proc(f"v{i + 1}") for i in range(args.volunteers)]
     records: dict[int, Any] = {}
+    paired = args.paired and scenario in PAIRED
+    seconds = 2 * args.seconds if paired else args.seconds
+    turns: list[Turn] = []
     async with published(workdir, f"stragglers {scenario} {rule}", margs, args, averaging, **tracker) as (
         t,
         spec,
@@ -240,17 +308,22 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
         staller: asyncio.Task | None = None
         try:
             async with TrackerClient(t.url) as c:
-                started = None
+                started, cpu, busy = None, (0, 0), float("nan")
                 while True:
                     status = await c.status(spec.run_id)
                     for r in status.recent_steps:
                         records[r.step] = r
                     if started is None and status.global_step >= 1:
-                        started = time.monotonic()
-                        staller = asyncio.create_task(stall(scenario, procs, at_step, args))
+                        started, cpu = time.monotonic(), cpu_times()
+                        staller = asyncio.create_task(
+                            alternate(scenario, procs, at_step, args, turns)
+                            if paired
+                            else stall(scenario, procs, at_step, args)
+                        )
                     if status.global_step >= 3:
                         at_step.set()
-                    if started is not None and time.monotonic() - started >= args.seconds:
+                    if started is not None and time.monotonic() - started >= seconds:
+                        busy = cpu_busy(cpu, cpu_times())
                         break
                     await asyncio.sleep(0.5)
         finally:
@@ -280,6 +353,28 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     longest = max((g for each in gaps for g in each), default=float("nan"))
     medians = [statistics.median(each) for each in gaps if each]
     dropped = sum(e.dropped_samples for p in procs for e in p.events if isinstance(e, ev.StepMissed))
+    if paired:  # the turns with stalls against those without, in the same run
+        times = [r.closed_at for r in window]
+        (rate, busy), (none_rate, none_busy) = (
+            paired_side(turns, times, True),
+            paired_side(turns, times, False),
+        )
+        print(
+            f"    paired: turns without stalls {none_rate:.1f} steps/min (CPU busy {none_busy:.0%})",
+            flush=True,
+        )
+        return {
+            "scenario": f"{scenario} (paired)",
+            "rule": rule,
+            "steps": len(window),
+            "steps/min": rate,
+            "none": none_rate,
+            "longest": longest,
+            "median": statistics.median(medians) if medians else float("nan"),
+            "dropped": dropped,
+            "phases": {},
+            "cpu": busy,
+        }
     return {
         "scenario": scenario,
         "rule": rule,
@@ -289,7 +384,24 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
         "median": statistics.median(medians) if medians else float("nan"),
         "dropped": dropped,
         "phases": phases,
+        "cpu": busy,
     }
+
+
+def cpu_times() -> tuple[int, int]:
+    """The machine's (busy, total) CPU time so far, in ticks (``/proc/stat``; (0, 0) where there is none)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def cpu_busy(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time that was busy between two :func:`cpu_times`."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else float("nan")
 
 
 def phase_shares(procs: list[Proc], start: float, end: float) -> dict[str, float]:
@@ -360,11 +472,12 @@ def timeline(procs: list[Proc], events: Path | None) -> None:
 
 
 HEADER = ("scenario", "straggler rule", "steps", "steps/min", "× none", "median step s", "longest step s",
-          "samples dropped")  # fmt: skip
+          "samples dropped", "CPU busy")  # fmt: skip
 
 
 def cells(row: dict, base: dict | None) -> list[str]:
-    ratio = row["steps/min"] / base["steps/min"] if base else float("nan")
+    none = row.get("none") or (base["steps/min"] if base else float("nan"))  # (--paired: its own turns)
+    ratio = row["steps/min"] / none
     return [
         row["scenario"],
         row["rule"],
@@ -374,6 +487,7 @@ def cells(row: dict, base: dict | None) -> list[str]:
         f"{row['median']:.2f}",
         f"{row['longest']:.1f}",
         str(row["dropped"]),
+        f"{row['cpu']:.0%}",
     ]
 
 

@@ -79,6 +79,11 @@ class Learner:
             self.first_batch_progress = self.download.handle.status().progress
 
 
+def top_tier(download) -> set[int]:
+    """The chunks a streaming download asked for first (file priority above 1), as libtorrent holds them."""
+    return {i for i, p in enumerate(download.handle.get_file_priorities()[:-1]) if p > 1}
+
+
 async def test_two_downloaders_train_early_finish_verified_and_share_with_each_other(tmp_path):
     async with published(tmp_path, size=2 * 1024 * KiB, chunk=128 * KiB) as pub:
         n = len(pub.manifest.chunks)
@@ -105,6 +110,8 @@ async def test_two_downloaders_train_early_finish_verified_and_share_with_each_o
                 await b.download.wait_complete()
             # what the first uploaded: the seeder holds every piece and takes none, so only the second took it
             uploaded_by_a = a.download.stats().uploaded
+            # each asked libtorrent for chunks in its own order: the top of its priorities (tiers 7..2)
+            tops = [top_tier(learner.download) for learner in (a, b)]
             view = ses_b.stats()
             assert (view.chunks_held, view.chunks_total, view.progress) == (n, n, 1.0)
             assert view.downloaded >= sum(c.bytes for c in pub.manifest.chunks)
@@ -117,8 +124,10 @@ async def test_two_downloaders_train_early_finish_verified_and_share_with_each_o
             assert learner.sampler.held == set(range(n))
             for info in pub.manifest.chunks:
                 assert hashlib.sha256((tmp_path / folder / info.name).read_bytes()).hexdigest() == info.sha256
-        # random, per-peer download orders
-        assert [e.index for e in a.events] != [e.index for e in b.events]
+        # random, per-peer download orders: each began with chunks of its own top tier (the whole orders may
+        # coincide on a loaded machine, where the alerts of many finished pieces are handled at once)
+        assert tops[0] != tops[1], tops
+        assert a.events[0].index in tops[0], ([e.index for e in a.events], tops[0])
         # the second downloader also got pieces from the first, per the first's own swarm stats
         assert uploaded_by_a > 0, uploaded_by_a
 

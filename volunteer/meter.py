@@ -3,15 +3,22 @@
 The compute rate a peer reports (the tracker shares each step out by it) is samples ÷ seconds over its last
 RATE_WINDOW micro-batches, not a smoothing that weighs the last few most: where peers share cores, the last to
 finish a step computes alone and fast for a moment, and a rate taken there would allot it more of the next
-step, which it then finishes last again while the others wait.
+step, which it then finishes last again while the others wait. Nor does a stall count: a micro-batch that took
+more than STALL_FACTOR × the window's median time per sample (the process was stopped, a lid closed, another
+program took the machine for a moment) is left out of the rate, so one pause does not make the tracker allot
+this peer less for the next RATE_WINDOW micro-batches while the others wait for it to finish its share of a
+step (the pause itself is the tracker's straggler rules' to handle: ``docs/tracker.md``, item 9).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 
 RATE_WINDOW = 16
+# a micro-batch slower than this × the window's median time per sample is a stall, not the peer's rate
+STALL_FACTOR = 3.0
 
 
 class Meter:
@@ -40,11 +47,13 @@ class Meter:
 
     @property
     def samples_per_s(self) -> float:
-        """Compute throughput (not counting waits) over the last RATE_WINDOW micro-batches (0 before the
-        first): what this peer's share of a step is made of."""
+        """Compute throughput (not counting waits) over the last RATE_WINDOW micro-batches, stalls left out
+        (0 before the first): what this peer's share of a step is made of."""
         if not self._window:
             return 0.0
-        return sum(n for n, _ in self._window) / max(sum(s for _, s in self._window), 1e-6)
+        typical = statistics.median(s / max(n, 1) for n, s in self._window)
+        kept = [(n, s) for n, s in self._window if s <= STALL_FACTOR * typical * max(n, 1)]
+        return sum(n for n, _ in kept) / max(sum(s for _, s in kept), 1e-6)
 
     def take_step(self) -> tuple[float | None, float]:
         """The mean loss and compute seconds of the step's micro-batches, which start afresh."""
