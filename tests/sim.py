@@ -13,7 +13,6 @@ import asyncio
 import base64
 import hashlib
 
-import msgspec
 from aiohttp import web
 
 from crowdtrain.protocol import bencode
@@ -56,10 +55,7 @@ def make_run_create(
     target_batch_size: int = 64,
     averaging: AveragingSpec | None = None,
     join_token: str | None = None,
-    spot_checks: float = 0.0,
 ) -> RunCreate:
-    """A run around a small torrent. Its spot-checks are off unless asked for: a :class:`SimVolunteer` never
-    recomputes a member's gradient, and a checker's share of the next step is cut by the check's work."""
     torrent = torrent if torrent is not None else make_torrent("demo", b"x" * 40000)
     manifest = DatasetManifest(
         name="demo",
@@ -79,7 +75,7 @@ def make_run_create(
         dataset=DatasetRef(infohash=bencode.infohash_v1(torrent), manifest=manifest),
         torrent=base64.b64encode(torrent).decode(),
         target_batch_size=target_batch_size,
-        averaging=msgspec.structs.replace(averaging or AveragingSpec(), spot_checks=spot_checks),
+        averaging=averaging or AveragingSpec(),
         join_policy="token" if join_token else "public",
         join_token=join_token,
     )

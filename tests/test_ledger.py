@@ -223,48 +223,6 @@ def test_what_no_share_took_goes_to_the_first_peers_below_their_cap():
     assert book.tally.reserved == 100
 
 
-def test_a_peer_drawn_to_spot_check_is_allotted_less_by_what_the_others_compute_while_it_checks():
-    """A checker recomputes its suspect's samples before it begins the next step (0.5-1.3 s measured in
-    bench/stragglers.py): allotted a full share it finished the step last and the others waited for it."""
-    book = ledger(256)
-    joined(book, "a", "b", "c", "d")
-    for name in "abcd":
-        beat(book, name, 0, 100.0)
-    for name in "abcd":
-        beat(book, name, 64, 100.0, computing=False)
-        book.credit_ready(name, 0, 64, 0, now=2.0)
-    book.advance(list("abcd"), now=2.0, busy={"a": 64})
-    # a is busy 0.64 s; meanwhile the others compute 3 × 64 × ... = 48 more than their share, 16 each: all
-    # four then finish after 0.8 s of work, and the allotments still sum to the target
-    assert [book.share(n).allotted for n in "abcd"] == [16, 80, 80, 80]
-    assert book.tally.reserved == 256
-    assert_tally_is_the_sum(book)
-
-
-def test_what_a_checker_is_cut_goes_to_the_others_within_their_caps_and_never_below_nothing():
-    book = ledger(100)  # (cap 50)
-    joined(book, "a", "b")
-    for name in "ab":
-        beat(book, name, 0, 10.0)
-    for name in "ab":
-        beat(book, name, 50, 10.0, computing=False)
-        book.credit_ready(name, 0, 50, 0, now=2.0)
-    book.advance(["a", "b"], now=2.0, busy={"a": 500})
-    # a would be cut to nothing (500 samples to recompute), but b is at its cap: no one else may take a's
-    # share, so a keeps it (better late than a step short of its target)
-    assert (book.share("a").allotted, book.share("b").allotted) == (50, 50)
-    assert_tally_is_the_sum(book)
-    book = ledger(100, max_peer_share=1.0)
-    joined(book, "a", "b")
-    for name in "ab":
-        beat(book, name, 0, 10.0)
-    for name in "ab":
-        beat(book, name, 50, 10.0, computing=False)
-        book.credit_ready(name, 0, 50, 0, now=2.0)
-    book.advance(["a", "b"], now=2.0, busy={"a": 500})
-    assert (book.share("a").allotted, book.share("b").allotted) == (0, 100)
-
-
 def test_a_reopened_step_forgets_what_its_ready_calls_said_was_computed_ahead():
     book = ledger(100, delay=True)
     joined(book, "a", "b")
@@ -511,27 +469,6 @@ def test_a_peer_still_in_its_round_is_not_covered_until_it_says_it_began_its_ste
     for name in ("a", "b"):
         assert beat(book, name, 0, 10.0, now=9.35).allotted == 40  # they begin now, and are not cut
     assert beat(book, "c", 40, 10.0, now=9.4).allotted == 60
-    assert_tally_is_the_sum(book)
-
-
-def test_a_peer_that_has_not_begun_is_timed_from_when_the_others_began_not_from_its_last_heartbeat():
-    """Regression (issue 27, a heavy-tail run): b fell asleep at the end of its round, after a heartbeat of
-    the step before that moved its own clock on; a and c had begun at once and were done, and waited 1.2 s
-    for b's rest to be offered, timed from that heartbeat. It is timed from when a began now."""
-    book = spared()
-    for name in ("a", "b", "c"):
-        beat(book, name, 40, 10.0, now=4.0)
-    book.advance(["a", "b", "c"], now=4.1)
-    for name in ("a", "c"):
-        beat(book, name, 0, 10.0, now=4.2)  # they begin
-    beat(book, "b", 0, 10.0, now=5.0, step=0)  # (b, in its round's end, then asleep)
-    assert book.share("b").step_since == 5.0
-    for name in ("a", "c"):
-        assert beat(book, name, 40, 10.0, now=8.2).done_at == 8.2
-    # b's 40 (4 s) were due at 8.2 from a's begin, behind by 15 % of its rest (0.6 s) at 8.8: not at 9.6
-    assert book.open_spares(8.79) == 0
-    assert book.open_spares(8.85) == 40 and book.spares.offered == {"a": 20, "c": 20}
-    assert book.spares.covered == set()  # (not covered: it keeps its share until it begins)
     assert_tally_is_the_sum(book)
 
 

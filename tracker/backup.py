@@ -11,11 +11,7 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   still lacks is offered to the peers that owe nothing, by rate, each within its room and a micro-batch at
   least. The peers behind are covered (one that reports is cut to what it holds), except one that has not
   reported at the step since its round moved it there: it may still be in its round (held by a member
-  asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close;
-  its time runs from when the first peer at the step began it, if sooner than its own last report.
-* **Checks** (:func:`check_shifts`). A peer drawn to spot-check a member (``docs/security.md``) recomputes
-  that member's samples before it begins the new step; its share of the step is cut by what the others
-  compute meanwhile, which goes to them by rate, so the step does not wait for the check.
+  asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close.
 """
 
 from __future__ import annotations
@@ -63,14 +59,13 @@ def late(at_step: list[Share], now: float) -> list[str]:
 class Spares:
     """The spares of the open step (the rule above; :meth:`~crowdtrain.tracker.ledger.Ledger.open_spares`)."""
 
-    __slots__ = ("covered", "first_begin", "given", "last", "offered")
+    __slots__ = ("covered", "given", "last", "offered")
 
     def __init__(self) -> None:
         self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
         self.given: set[str] = set()  # the peers allotted a spare
         self.covered: set[str] = set()  # the peers whose rest they cover, silent since
         self.last = -math.inf  # when they last opened
-        self.first_begin = math.inf  # when the first peer at the step said it began it
 
     def open(
         self, at_step: list[Share], missing: int, now: float, room: Callable[[Share], int], micro: int
@@ -100,10 +95,26 @@ class Spares:
         took = min((s.done_at - s.step_since for s in done), default=0.0)
         if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
             return 0
-        found = self._behind(at_step, now)
-        if found is None:
+        behind, unbegun = set(), False
+        for s in at_step:
+            owed = s.allotted - s.samples
+            if not s.computing or owed <= 0:
+                continue
+            if s.samples_per_s <= 0:
+                return 0  # (its time is unknown: it is not behind)
+            rest = owed / s.samples_per_s
+            due = max(s.counted_at, s.step_since) + rest
+            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
+                return 0  # one on time: no spares (they would cut its share, and idle the others no less)
+            if s.begun:
+                behind.add(s.peer_id)
+            else:
+                # past its time, but it has not said it began the step: it may be asleep, or still in its
+                # round (sending answers up a home line). Its rest is offered, but it is not covered: it
+                # keeps its share, and is waited for at the close like anyone
+                unbegun = True
+        if not behind and not unbegun:
             return 0
-        behind = found
         rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
         mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)
         rates = {s.peer_id: s.samples_per_s if s.samples_per_s > 0 else mean for s in idle}
@@ -117,54 +128,9 @@ class Spares:
             self.offered[s.peer_id] = min(fair, room(s) - s.samples)
         return sum(self.offered.values())
 
-    def _behind(self, at_step: list[Share], now: float) -> set[str] | None:
-        """The peers behind their time that are covered, if *every* peer that owes samples is behind (None:
-        one is on time, or its time is unknown, or none owes any). One that has not said it began the step
-        is behind but not covered: it may be asleep, or still in its round (sending answers up a home line);
-        its rest is offered, it keeps its share and is waited for at the close like anyone. It is timed from
-        when the first peer began, if sooner than its own last report: it was moved to the step with the
-        others (it slept through its round's end, or its begin, while a stale heartbeat moved its clock on)."""
-        behind, owing = set(), False
-        for s in at_step:
-            owed = s.allotted - s.samples
-            if not s.computing or owed <= 0:
-                continue
-            if s.samples_per_s <= 0:
-                return None  # (its time is unknown: it is not behind)
-            rest = owed / s.samples_per_s
-            since = max(s.counted_at, s.step_since)
-            due = (since if s.begun else min(since, self.first_begin)) + rest
-            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
-                return None  # one on time: no spares (they would cut its share, and idle the others no less)
-            owing = True
-            if s.begun:
-                behind.add(s.peer_id)
-        return behind if owing else None
-
     def take(self, peer_id: str) -> int:
         """The spare ``peer_id`` is allotted now (0: none)."""
         spare = self.offered.pop(peer_id, 0)
         if spare:
             self.given.add(peer_id)
         return spare
-
-
-def check_shifts(shares: list[Share], busy: dict[str, int]) -> dict[str, int]:
-    """The change to each allotment of a new step (the rule "Checks" above), from the shares moved to it
-    (allotted by rate) and the samples each checker recomputes first (``busy``). A checker at rate ``r``
-    busy with ``b`` samples while the others compute at ``R`` is cut by ``b × R ÷ (r + R)`` (never below
-    what it holds); the others gain that by rate, rounded down (the changes never sum above 0)."""
-    rated = [s for s in shares if s.computing and s.samples_per_s > 0]
-    total = sum(s.samples_per_s for s in rated)
-    shifts: dict[str, int] = {}
-    for checker in rated:
-        others = [s for s in rated if s is not checker]
-        rest = total - checker.samples_per_s
-        owed = checker.allotted - checker.samples + shifts.get(checker.peer_id, 0)
-        cut = min(owed, math.floor(busy.get(checker.peer_id, 0) * rest / total)) if others else 0
-        if cut <= 0:
-            continue
-        shifts[checker.peer_id] = shifts.get(checker.peer_id, 0) - cut
-        for s in others:
-            shifts[s.peer_id] = shifts.get(s.peer_id, 0) + math.floor(cut * s.samples_per_s / rest)
-    return shifts

@@ -429,23 +429,21 @@ class RunState:
         self.store.close_step(self.run_id, record, credits)
         self.rounds.add(step, assignments)
         self.checks.draw(step, assignments, self.peers, self.ledger.origins.by_peer)
-        # a checker recomputes its suspect's samples before it begins (tracker/backup.py, "Checks")
-        busy = {c: self.ready.get(s, 0) for c, s in self.checks.checkers(step).items()}
-        self._advance(candidates, now, busy)
+        self._advance(candidates, now)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in phases[0]])
         self._wake()
 
-    def _advance(self, candidates: list[Candidate], now: float, busy: dict[str, int]) -> None:
+    def _advance(self, candidates: list[Candidate], now: float) -> None:
         """The next step opens: nothing gathered for it yet; the averaged peers move to it and are allotted
-        their shares (the ledger's re-allotment; ``busy``: what each checker recomputes first)."""
+        their shares (the ledger's re-allotment)."""
         self.opened_at = now
         self.closed_at = None
         self.ready = {}
         self.pending = set()
         self.reopened = set()
         self.notice = None
-        self.ledger.advance([c.peer_id for c in candidates], time.monotonic(), busy)
+        self.ledger.advance([c.peer_id for c in candidates], time.monotonic())
 
     # ------------------------------------------------------------ long-polls
 

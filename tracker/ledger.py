@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.messages import RunSpec
-from crowdtrain.tracker.backup import Spares, check_shifts, late
+from crowdtrain.tracker.backup import Spares, late
 from crowdtrain.tracker.origins import Origins
 
 log = logging.getLogger("crowdtrain.tracker")
@@ -329,8 +329,6 @@ class Ledger:
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
         self._revoked.discard(peer_id)  # it spoke
         self.spares.covered.discard(peer_id)
-        if share.step == step == self.step and not share.begun:  # (the spares' clock for one not begun)
-            self.spares.first_begin = min(self.spares.first_begin, now)
         share.begun |= share.step == step
         share.stopped = 0 < told <= share.samples and share.allotted <= share.samples
         if step_open:
@@ -494,12 +492,11 @@ class Ledger:
 
     # ------------------------------------------------------------ a new step
 
-    def advance(self, moved: list[str], now: float, busy: dict[str, int] | None = None) -> None:
+    def advance(self, moved: list[str], now: float) -> None:
         """The round of the step formed: the run is at the next step, and each of the ``moved`` peers (the
         averaged ones, in the round's order) is at it, computing, with what it computed ahead for it (delay
-        1; else nothing), and is allotted its share now (less what it recomputes first for a spot-check,
-        ``busy``: :func:`~crowdtrain.tracker.backup.check_shifts`), so the ready reply carries it and the
-        peer computes on without waiting for a heartbeat's answer."""
+        1; else nothing), and is allotted its share now, so the ready reply carries it and the peer computes
+        on without waiting for a heartbeat's answer."""
         self.step += 1
         self.tally = self.recount()
         ahead, self._ahead, self._revoked = self._ahead, {}, set()
@@ -520,11 +517,6 @@ class Ledger:
         for _, share in shares:
             with self._changing(share):
                 share.allotted = self._allot(share)
-        shifts = check_shifts([s for _, s in shares], busy or {})
-        for _, share in sorted(shares, key=lambda ps: shifts.get(ps[0], 0)):  # (cuts first: room for gains)
-            with self._changing(share):
-                gained = share.allotted + shifts.get(share.peer_id, 0)
-                share.allotted = max(share.samples, min(gained, max(share.allotted, self._room(share))))
         self._allot_free([s for _, s in shares])
         for _, share in shares:
             share.done_at = -1.0

@@ -136,10 +136,6 @@ class SpotChecks:
         self._drawn[(step, suspect)] = _Drawn(checker, peers[checker].public_key, peers[suspect].public_key)
         self._for_checker[(step, checker)] = SpotCheck(step=step, suspect=suspect)
 
-    def checkers(self, step: int) -> dict[str, str]:
-        """The checks drawn at ``step``: checker -> suspect."""
-        return {checker: c.suspect for (at, checker), c in self._for_checker.items() if at == step}
-
     def of(self, step: int, peer_id: str) -> SpotCheck | None:
         """The check ``peer_id`` was drawn to make at ``step``, if any."""
         return self._for_checker.get((step, peer_id))
