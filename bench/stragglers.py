@@ -27,6 +27,11 @@ volunteer stopped or waiting costs the run only where a core idles).
 
     .venv/bin/python bench/stragglers.py --markdown
     .venv/bin/python bench/stragglers.py --scenarios none,frozen --seconds 60
+    .venv/bin/python bench/stragglers.py --paired --scenarios heavy-tail --seconds 60
+
+``--paired`` (heavy-tail, slow, slowed) runs the stalls on and off in turns of ``--window`` seconds inside one
+run, ``--seconds`` a side, the first 2 s of each turn left out: its "× none" is against the turns without
+stalls of the same run, so the machine's drift falls on both sides alike.
 """
 
 from __future__ import annotations
