@@ -203,11 +203,11 @@ class Turn:
 def paired_side(turns: list[Turn], closed: list[float], on: bool) -> tuple[float, float]:
     """Steps per minute and CPU busy share over the turns with the stalls ``on`` (or off)."""
     mine = [t for t in turns if t.on == on]
-    steps = sum(t.counts(closed)[0] for t in mine)
-    seconds = sum(t.counts(closed)[1] for t in mine)
-    busy = sum(t.cpu_end[0] - t.cpu[0] for t in mine)
-    total = sum(t.cpu_end[1] - t.cpu[1] for t in mine)
-    return (60.0 * steps / seconds if seconds else float("nan"), busy / total if total else float("nan"))
+    counted = [t.counts(closed) for t in mine]
+    steps, seconds = sum(n for n, _ in counted), sum(s for _, s in counted)
+    before = (sum(t.cpu[0] for t in mine), sum(t.cpu[1] for t in mine))
+    after = (sum(t.cpu_end[0] for t in mine), sum(t.cpu_end[1] for t in mine))
+    return (60.0 * steps / seconds if seconds else float("nan"), cpu_busy(before, after))
 
 
 STALLS: list[tuple[int, float, float]] = []  # (pid, wall start, wall end) of each stall made (--timeline)
@@ -358,29 +358,7 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
     longest = max((g for each in gaps for g in each), default=float("nan"))
     medians = [statistics.median(each) for each in gaps if each]
     dropped = sum(e.dropped_samples for p in procs for e in p.events if isinstance(e, ev.StepMissed))
-    if paired:  # the turns with stalls against those without, in the same run
-        times = [r.closed_at for r in window]
-        (rate, busy), (none_rate, none_busy) = (
-            paired_side(turns, times, True),
-            paired_side(turns, times, False),
-        )
-        print(
-            f"    paired: turns without stalls {none_rate:.1f} steps/min (CPU busy {none_busy:.0%})",
-            flush=True,
-        )
-        return {
-            "scenario": f"{scenario} (paired)",
-            "rule": rule,
-            "steps": len(window),
-            "steps/min": rate,
-            "none": none_rate,
-            "longest": longest,
-            "median": statistics.median(medians) if medians else float("nan"),
-            "dropped": dropped,
-            "phases": {},
-            "cpu": busy,
-        }
-    return {
+    row = {
         "scenario": scenario,
         "rule": rule,
         "steps": len(window),
@@ -391,6 +369,19 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
         "phases": phases,
         "cpu": busy,
     }
+    if paired:  # the turns with stalls against those without, in the same run
+        times = [r.closed_at for r in window]
+        (rate, busy), (none_rate, none_busy) = (
+            paired_side(turns, times, True),
+            paired_side(turns, times, False),
+        )
+        print(
+            f"    paired: turns without stalls {none_rate:.1f} steps/min (CPU busy {none_busy:.0%})",
+            flush=True,
+        )
+        row.update(scenario=f"{scenario} (paired)", phases={}, cpu=busy, none=none_rate)
+        row["steps/min"] = rate
+    return row
 
 
 def cpu_times() -> tuple[int, int]:
