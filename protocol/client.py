@@ -24,6 +24,8 @@ from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnrea
 from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES, MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
     Credential,
+    CutCall,
+    CutVerdict,
     DatasetRegistration,
     DonorList,
     ErrorBody,
@@ -298,6 +300,14 @@ class TrackerClient:
         self, run_id: str, declare: StateDeclare, key: SigningKey, credential: Credential
     ) -> None:
         await self._signed(run_id, "state", declare, key, credential)
+
+    async def cut(
+        self, run_id: str, call: CutCall, key: SigningKey, credential: Credential, wait_s: float
+    ) -> CutVerdict:
+        """Vote to cut a part owner asleep in a round, or claim one's own part (tracker/cuts.py); a vote
+        waits for the decision (at most the round's deadline, which ``wait_s`` should reach)."""
+        data = await self._signed(run_id, "cut", call, key, credential, timeout_s=wait_s + self.timeout_s)
+        return self._decode(data, CutVerdict)
 
     async def spot_check(
         self, run_id: str, verdict: SpotCheckVerdict, key: SigningKey, credential: Credential

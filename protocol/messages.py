@@ -54,6 +54,7 @@ Hex40 = Annotated[str, Meta(pattern=HEX40.pattern, max_length=40)]  # a v1 info-
 Hex64 = Annotated[str, Meta(pattern=HEX64.pattern, max_length=64)]  # a sha256, an Ed25519 public key
 PARAM_HASH = r"^([0-9a-f]{64})?$"
 Label = Annotated[str, Meta(max_length=100)]  # a short free text a peer reports about itself
+PeerId = Annotated[str, Meta(max_length=64)]
 # how a pattern reads in an error ("Expected `str` of 64 lowercase hex characters - at `$.public_key`")
 _PATTERN_WORDS = {
     HEX40.pattern: "40 lowercase hex characters",
@@ -453,9 +454,31 @@ class ReadyReply(Message, frozen=True, kw_only=True):
     spot_check: SpotCheck | None = None
 
 
+# ---------------------------------------------------------------- cutting a sleeper from a round
+
+
+class CutCall(Message, frozen=True, kw_only=True):
+    """``POST /api/v1/runs/{id}/cut``: a member of a round about the owner of a part of it (issue 27).
+
+    From another member (a vote): ``owner``'s answer has not begun although the round has been quiet for a
+    while; cut it if every other member says so. From ``owner`` itself (a claim), sent once its answer went
+    out: may it apply what it reduced? The tracker decides each (round, tag, owner) once: ``cut`` when every
+    other member voted before the owner claimed, ``kept`` otherwise (also at the round's deadline)."""
+
+    version: Version = VERSION
+    peer_id: PeerId  # the caller
+    assignment: GroupAssignment  # the round, as the tracker signed it
+    tag: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]  # grad, params, grad-p1, ...
+    owner: PeerId
+
+
+class CutVerdict(Message, frozen=True, kw_only=True):
+    version: Version = VERSION
+    decision: Literal["cut", "kept"]
+
+
 # ---------------------------------------------------------------- spot-checks
 
-PeerId = Annotated[str, Meta(max_length=64)]
 MAX_CHECKED_SAMPLES = 1 << 16  # samples one spot-check answer may list
 
 

@@ -30,6 +30,7 @@ from crowdtrain.protocol.credentials import SigningKey, issue_credential, reques
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
     Credential,
+    CutCall,
     GroupAssignment,
     GroupMember,
     Heartbeat,
@@ -230,9 +231,13 @@ def dataset_body(w: World) -> bytes:
 
 
 def signed_route(
-    suffix: str, body: Callable[[Member], Any], query: str = ""
+    suffix: str, body: Callable[[Member], Any], query: str = "", *, world_body: bool = False
 ) -> dict[str, tuple[int, Attack]]:
-    """Attacks on a volunteer route of the tracker (signed with peerauth over path + body hash)."""
+    """Attacks on a volunteer route of the tracker (signed with peerauth over path + body hash); with
+    ``world_body`` the body is ``body(world, member)``."""
+
+    def body_for(w: World, m: Member) -> bytes:
+        return encode(body(w, m) if world_body else body(m))  # type: ignore[call-arg]
 
     def path(run_id: str) -> str:
         return f"/api/v1/runs/{run_id}/{suffix}"
@@ -246,7 +251,7 @@ def signed_route(
     ) -> Attack:
         async def attack(w: World) -> tuple[int, str]:
             m = who(w)
-            data = body_of(w, m) if body_of else encode(body(m))
+            data = body_of(w, m) if body_of else body_for(w, m)
             p = path(run(w))
             headers = headers_for(w, m, p, hashlib.sha256(data).hexdigest())
             headers["Content-Type"] = "application/json"
@@ -314,7 +319,7 @@ def signed_route(
         ),
         "body speaks for another peer": (
             401,
-            send(honest, body_of=lambda w, m: encode(body(w.members["c"]))),
+            send(honest, body_of=lambda w, m: body_for(w, w.members["c"])),
         ),
         "valid": (0, send(honest)),
     }
@@ -395,7 +400,36 @@ TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         "spotcheck",
         lambda m: SpotCheckVerdict(peer_id=m.peer_id, step=0, suspect="0" * 16, outcome="mismatch"),
     ),
+    # (the valid call is a vote that completes the set: the owner "a" is cut at once)
+    ("POST", "/api/v1/runs/{run_id}/cut"): signed_route(
+        "cut",
+        lambda w, m: CutCall(
+            peer_id=m.peer_id, assignment=cut_round(w, m), tag="grad", owner=w.members["a"].peer_id
+        ),
+        world_body=True,
+    ),
 }
+
+
+def cut_round(w: World, m: Member) -> GroupAssignment:
+    """A round the tracker signed: "a" owns its only part, ``m`` is the other member."""
+    a = w.members["a"]
+    members = [
+        GroupMember(peer_id=a.peer_id, address="127.0.0.1:1", public_key=a.key.public_hex, weight=1, part=0),
+        GroupMember(peer_id=m.peer_id, address=None, public_key=m.key.public_hex, weight=1, part=-1),
+    ]
+    unsigned = GroupAssignment(
+        run_id=w.public,
+        round_id=f"cut-{m.peer_id}",
+        step=1,
+        members=members,
+        parts=1,
+        average_params=False,
+        deadline=time.time() + 30,
+        seed=0,
+        signature="",
+    )
+    return sign_assignment(w.tracker.signer, unsigned)
 
 
 # ---------------------------------------------------------------------------------------------- peer server

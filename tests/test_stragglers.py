@@ -158,3 +158,78 @@ async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_ave
     model.load_state_dict(kept.model_state)
     flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
     np.testing.assert_array_equal(flat, theirs)
+
+
+FROZEN_IN_ROUND_S = 8.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_volunteer_frozen_inside_its_round_is_cut_by_the_group_and_no_one_waits_for_it(tmp_path):
+    """Frozen while it owns a part of a round in flight (stopped as it begins its all-reduce), the volunteer
+    holds every member: they wait for its answer and their parts for its copy. The group cuts it through the
+    tracker (tracker/cuts.py) instead of waiting for the round's deadline (10 s here) or its waking (8 s);
+    on waking it hears it was cut, applies nothing of that round, rejoins and takes the next steps on the
+    others' parameters."""
+    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0}
+    async with published_run(
+        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
+    ) as run:
+        cuts = run.tracker.runs.get(run.spec.run_id).state.cuts
+        recs = [Recorder() for _ in range(3)]
+        seen: list[list[ev.Event]] = [[], [], []]
+        others = volunteers(
+            run, tmp_path, 3, name="awake", seed=320, record=recs, emit=[s.append for s in seen]
+        )
+        tasks = [asyncio.create_task(v.run()) for v in others]
+        sleeper = await VolunteerProcess.start(
+            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
+        )
+        try:
+            await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 4, 120)
+            for _ in range(10):  # (a round takes tens of ms here: the signal may land after it)
+                await sleeper.wait_for(
+                    lambda e: isinstance(e, ev.PhaseChanged) and e.phase == "averaging",
+                    30,
+                    after=len(sleeper.events),
+                )
+                os.kill(sleeper.proc.pid, signal.SIGSTOP)
+                frozen_at = time.time()
+                await asyncio.sleep(1.5)
+                if cuts.decided["cut"]:
+                    break
+                os.kill(sleeper.proc.pid, signal.SIGCONT)
+            else:
+                pytest.fail("the volunteer was never stopped inside a round")
+            await asyncio.sleep(FROZEN_IN_ROUND_S - (time.time() - frozen_at))
+            woke_at = time.time()
+            os.kill(sleeper.proc.pid, signal.SIGCONT)
+            await sleeper.wait_for(
+                lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 4, 120
+            )
+        finally:
+            await sleeper.stop()
+            for v in others:
+                v.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    for events in seen:  # no step of the others waited out the freeze (nor the round's 10 s deadline)
+        done = [e for e in events if isinstance(e, ev.StepDone)]
+        during = [(b.step, b.t - a.t) for a, b in itertools.pairwise(done) if frozen_at <= b.t <= woke_at + 2]
+        assert len(during) >= 2 and max(s for _, s in during) < FROZEN_IN_ROUND_S / 2, during
+        # the part it owned was failed alike for all: zeroed, with the reason
+        cut_rounds = [
+            e for e in events if isinstance(e, ev.RoundDone) and e.failed_parts and e.t >= frozen_at
+        ]
+        assert cut_rounds, "no round of the others lost the sleeper's part"
+    left_out = [
+        e.message for e in sleeper.of(ev.LogLine) if "the group cut it" in e.message and e.t >= woke_at - 1
+    ]
+    assert left_out, sleeper.tail()
+    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
+    theirs = recs[0].params.get(kept.step)
+    assert theirs is not None, (kept.step, sorted(recs[0].params)[-3:])
+    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
+    model.load_state_dict(kept.model_state)
+    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
+    np.testing.assert_array_equal(flat, theirs)

@@ -81,6 +81,7 @@ from crowdtrain.protocol.messages import (
     StepRecord,
     StepWatch,
 )
+from crowdtrain.tracker.cuts import Cuts
 from crowdtrain.tracker.donors import Donors, Offer, StateRefused
 from crowdtrain.tracker.ledger import Ledger, Share
 from crowdtrain.tracker.matchmaking import Candidate, plan
@@ -175,6 +176,7 @@ class RunState:
         self.signer = signer
         self.ledger = Ledger.of(spec, global_step)
         self.rounds = Rounds()
+        self.cuts = Cuts(lambda owner, step: cut_asleep(self, owner, step))  # (tracker/cuts.py)
         self.checks = SpotChecks(spec, store)
         self.state_donors = Donors(self.run_id, self.rounds)
         self.peers: dict[str, Peer] = {}
@@ -634,6 +636,27 @@ def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
         allotment=run.ledger.allotment(peer.peer_id, step_open=run.closed_at is None),
         ahead_share=share.ahead_share,
     )
+
+
+def cut_asleep(run: RunState, owner: str, step: int) -> None:
+    """The group cut ``owner`` from its round of ``step``: it was asleep. If that round moved it to the open
+    step, what it was allotted of it is freed for the others now (it keeps what it holds; reporting again,
+    it is allotted anew) instead of once it has been silent or late long enough."""
+    if run.closed_at is not None or run.global_step != step + 1 or run.peer(owner) is None:
+        return
+    free = run.ledger.offered
+    owed = run.ledger.revoke(owner)
+    if owed:
+        log.info(
+            "run %s: peer %s was cut from its round of step %d (asleep): its %d samples of step %d are freed",
+            run.run_id,
+            owner,
+            step,
+            owed,
+            run.global_step,
+        )
+        run.freed_now(free)
+        run.maybe_close(time.time())
 
 
 def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:

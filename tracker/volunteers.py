@@ -13,11 +13,13 @@ from aiohttp import web
 
 from crowdtrain import __version__
 from crowdtrain.protocol.addresses import Origin, origin_of
-from crowdtrain.protocol.credentials import issue_credential
+from crowdtrain.protocol.credentials import issue_credential, verify_assignment
 from crowdtrain.protocol.errors import AuthError
 from crowdtrain.protocol.messages import (
     MAX_INT,
     PEER_PROTOCOL,
+    CutCall,
+    CutVerdict,
     Heartbeat,
     JoinRequest,
     JoinResponse,
@@ -28,6 +30,7 @@ from crowdtrain.protocol.messages import (
     decode,
 )
 from crowdtrain.tracker.collab import Peer, RunState, eval_refusal
+from crowdtrain.tracker.cuts import CutRefused
 from crowdtrain.tracker.donors import StateRefused
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
@@ -210,6 +213,33 @@ class Volunteers:
                 run.remove(peer.peer_id)
             run.maybe_form(time.time())
         return web.Response(status=204)
+
+    async def cut(self, request: web.Request) -> web.Response:
+        """A member's vote to cut a part owner asleep in a round, or the owner's claim (tracker/cuts.py)."""
+        run, msg, public_key = await self._signed(request, CutCall)
+        a = msg.assignment
+        try:
+            verify_assignment(a, self.tracker.signer.public_hex)
+        except AuthError:
+            raise ApiError(403, "the assignment is not one this tracker signed") from None
+        if a.run_id != run.run_id:
+            raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
+        members = {m.peer_id: m for m in a.members}
+        caller, owner = members.get(msg.peer_id), members.get(msg.owner)
+        if caller is None or caller.public_key != public_key:
+            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
+        if owner is None or owner.part < 0:
+            raise ApiError(400, f"peer {msg.owner} owns no part of round {a.round_id}")
+        suffix = f"-p{a.phase}" if a.phase else ""  # (the tags a round of this phase runs under)
+        if msg.tag not in (f"grad{suffix}", f"params{suffix}"):
+            raise ApiError(
+                400, f"round {a.round_id} runs under grad{suffix} and params{suffix}, not {msg.tag}"
+            )
+        try:
+            decision = await run.cuts.call(a, msg.tag, msg.peer_id, msg.owner, time.time())
+        except CutRefused as exc:
+            raise ApiError(503, str(exc)) from None
+        return json_reply(CutVerdict(decision=decision))
 
     async def donors(self, request: web.Request) -> web.Response:
         return json_reply(self.tracker.run_of(request).state.donors())

@@ -37,6 +37,7 @@ from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.cutting import tracker_referee
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
 from crowdtrain.volunteer.folder import data_folder, folder_key
 from crowdtrain.volunteer.local import make_trainer
@@ -418,6 +419,7 @@ async def _serving(
             credential=join.credential,
             config=AveragingConfig.from_spec(spec.averaging),
             emit=me.emit_averaging,
+            referee=tracker_referee(tracker, cfg.run_id, join.peer_id, me.key, join.credential),
         )
         # snapshots live in files of their own; leftovers of an earlier run of this peer go
         state_dir = cfg.data_dir / "crowdtrain-state"

@@ -230,12 +230,12 @@ class Rounds:
             # a tag per phase: a lossy codec's error feedback stays within what each phase sends
             phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
-            if result.late and tag == "grad":
-                # (the others averaged without my copy of those parts and I got no answer for them: what I
-                # would apply is not what they apply)
+            if result.late:
+                # (the others averaged without my copy of those parts, or zeroed the part I own because the
+                # group cut me: what I would apply is not what they apply)
                 raise AveragingError(
-                    f"owners had closed their parts before this peer's copies came (it was asleep or too slow) "
-                    f"in phase {a.phase + 1} of {a.phases}"
+                    f"this peer was left out of phase {a.phase + 1} of {a.phases} (it was asleep or too slow: "
+                    "its copies came after their owners closed, or the group cut it)"
                 )
             if result.failed_parts:
                 bounds = part_bounds(result.values.size, a.parts, a.part_weights)

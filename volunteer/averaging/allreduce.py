@@ -24,6 +24,10 @@ every part failed: the group then agrees on what each part holds (a part with no
 fails alike for all its members, e.g. when no member had samples), which a round failed as a whole (the
 caller then fetches the state) would not keep.
 
+A member asleep in the round (a part owner that neither answers nor sends) is cut by the group through the
+tracker when the averager has a ``referee`` (:mod:`~crowdtrain.volunteer.averaging.cutting`): its part then
+fails alike for every member, and it hears it was cut (its round is ``late``) when it wakes.
+
 Wire: the request carries the peer headers of :mod:`crowdtrain.protocol.peerauth` signed over
 (``"allreduce"``, round key, part, weight, values), plus ``X-Crowdtrain-Weight`` (samples, ≤ the weight
 in the assignment) and ``X-Crowdtrain-Elements`` (the part's length, or 0 from a weight-0 member when
@@ -66,6 +70,7 @@ from crowdtrain.protocol.errors import AuthError, AveragingError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
 from crowdtrain.volunteer.averaging.averages import AverageLog
 from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.cutting import Cutter, Referee
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
 from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.samples import SampleLog
@@ -89,7 +94,9 @@ class Averager:
         credential: Credential,
         config: AveragingConfig | None = None,
         emit: Emit = no_emit,
+        referee: Referee | None = None,
     ) -> None:
+        """``referee``: the tracker's decisions on members asleep in a round (None: never cut one)."""
         self.run_id = run_id
         self.tracker_public_key = tracker_public_key
         self.peer_id = peer_id
@@ -106,6 +113,7 @@ class Averager:
             coder=self._coder,
         )
         self.sender = Sender(key=key, credential=credential, config=self.config, coder=self._coder)
+        self.cutter = Cutter(peer_id, referee) if referee is not None else None
         # spot-checks: the samples of this peer's own gradients, served to checkers; as a checker, the
         # suspect wanted per round id (and the event its copy's arrival sets), and its copy of my part kept
         # (my part's bounds, the values)
@@ -161,22 +169,43 @@ class Averager:
             # a spot-check of a member's copy of my part
             rnd.reducer.keep, rnd.reducer.arrived = self.wanted.pop(assignment.round_id)
         failed: dict[int, str] = {}
+        cutter = self.cutter if len(assignment.members) > 1 else None
         await self.owner.open(rnd)
         try:
-            async with asyncio.TaskGroup() as tg:
-                if rnd.reducer is not None:
-                    tg.create_task(self.owner.close_part(rnd))
-                    tg.create_task(self.owner.own_part(rnd, output, failed))
-                for member in assignment.members:
-                    if member.part >= 0 and member.part != rnd.my_part:
-                        tg.create_task(self.sender.exchange(rnd, member, vector, weight, tag, output, failed))
+            await self._run(rnd, vector, weight, failed, cutter)
             if rnd.reducer is not None:  # every read into them is over and the part is reduced
                 if rnd.reducer.kept is not None:
                     self.kept[assignment.round_id] = (*rnd.bounds[rnd.my_part], rnd.reducer.kept)
                 self.owner.give_back(rnd.reducer)
         finally:
             self.owner.retire(rnd)
-        return self._finish(rnd, output, failed, time.perf_counter() - started, tag)
+        duration = time.perf_counter() - started
+        if cutter is not None and not rnd.cut:
+            cutter.measured(duration)
+        return self._finish(rnd, output, failed, duration, tag)
+
+    async def _run(
+        self, rnd: Round, vector: np.ndarray, weight: float, failed: dict[int, str], cutter: Cutter | None
+    ) -> None:
+        """Both sides of the round at once: my part (and, with a cutter, its claim), my copies of the others'
+        parts (and the votes on owners that do not answer)."""
+        output = rnd.output
+        assert output is not None
+        async with asyncio.TaskGroup() as tg:
+            if rnd.reducer is not None:
+                tg.create_task(self.owner.close_part(rnd))
+                tg.create_task(self.owner.own_part(rnd, output, failed))
+                if cutter is not None:
+                    tg.create_task(cutter.claim(rnd))
+            exchanges = {
+                member.part: tg.create_task(
+                    self.sender.exchange(rnd, member, vector, weight, rnd.tag, output, failed)
+                )
+                for member in rnd.assignment.members
+                if member.part >= 0 and member.part != rnd.my_part
+            }
+            if cutter is not None and exchanges:
+                tg.create_task(cutter.watch(rnd, exchanges, failed, vector))
 
     # ------------------------------------------------------------------ round set-up
 

@@ -318,6 +318,7 @@ class Owner:
                 red.reject(peer, r.text)
                 log.warning("round %s: refused %s's copy of part %d: %s", key, peer, part, r.text)
             raise
+        rnd.moved()
         if not red.accept(contribution):
             raise _Refused(
                 410, f"part {part} of round {key} closed at its deadline; the contribution came too late"

@@ -89,7 +89,16 @@ class Round:
     output: np.ndarray | None = None  # where the round's result is written
     in_place: bool = False  # ``output`` is this peer's vector itself
     stats: Stats = field(default_factory=Stats)
-    late: bool = False  # an owner refused my copy with 410: its part or the round had closed
+    late: bool = False  # an owner refused my copy with 410 (its part or the round had closed), or I was cut
+    # cutting a member asleep in the round (tracker/cuts.py): the parts whose answer began (or whose exchange
+    # ended), when the round last moved (monotonic), and the owners the group cut
+    begun: set[int] = field(default_factory=set)
+    moved_at: float = field(default_factory=time.monotonic)
+    cut: set[str] = field(default_factory=set)
+
+    def moved(self) -> None:
+        """Something of the round arrived or went out completely now (an answer began, a copy came)."""
+        self.moved_at = time.monotonic()
 
 
 def part_bounds(n: int, parts: int, weights: Sequence[int] = ()) -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
 from crowdtrain.volunteer.averaging.config import AveragingConfig
-from crowdtrain.volunteer.averaging.round import Round, Stats
+from crowdtrain.volunteer.averaging.round import Round
 from crowdtrain.volunteer.averaging.wire import (
     HEADER_ELEMENTS,
     HEADER_WEIGHT,
@@ -92,10 +92,12 @@ class Sender:
         if send and self._coder.stores(vector[start:stop]):
             # a known length: aiohttp writes each frame as it is instead of joining it into a chunk
             headers["Content-Length"] = str(stored_length(stop - start, self.config.subframe_elements))
-            data = self._stored(rnd.stats, vector, start, stop)
+            data = self._stored(rnd, vector, start, stop)
         elif send:
-            data = self._coded(rnd.stats, vector, start, stop, residual)
+            data = self._coded(rnd, vector, start, stop, residual)
         why = await self._post(rnd, owner, headers, data, output)
+        rnd.begun.add(owner.part)
+        rnd.moved()
         if why is not None:
             self._part_failed(rnd, owner, why, vector, output, failed)
 
@@ -112,9 +114,11 @@ class Sender:
         }
 
     async def _coded(
-        self, stats: Stats, vector: np.ndarray, start: int, stop: int, residual: Residual | None
+        self, rnd: Round, vector: np.ndarray, start: int, stop: int, residual: Residual | None
     ) -> AsyncIterator[bytes | memoryview]:
-        """The part as sub-frames; the next one is encoded in a thread while this one is sent."""
+        """The part as sub-frames; the next one is encoded in a thread while this one is sent (each one
+        taken by the network moves the round: a slow uplink is not a quiet round)."""
+        stats = rnd.stats
         bounds = subframe_bounds(start, stop, self.config.subframe_elements)
 
         def encode(a: int, b: int) -> asyncio.Future[tuple[bytes, bytes | memoryview]]:
@@ -133,16 +137,18 @@ class Sender:
                 stats.raw_bytes += 4 * (b - a)
                 yield header
                 yield frame
+                rnd.moved()
                 t = time.perf_counter()
         finally:
             if not ahead.done():  # (the last one is done: it was awaited)
                 ahead.cancel()
 
     async def _stored(
-        self, stats: Stats, vector: np.ndarray, start: int, stop: int
+        self, rnd: Round, vector: np.ndarray, start: int, stop: int
     ) -> AsyncIterator[bytes | memoryview]:
         """The part as stored sub-frames straight from ``vector``'s memory (only a checksum to compute:
         ~0.2 ms per sub-frame, on the loop)."""
+        stats = rnd.stats
         for a, b in subframe_bounds(start, stop, self.config.subframe_elements):
             t = time.perf_counter()
             header, frame = stored_frame(vector[a:b])
@@ -151,6 +157,7 @@ class Sender:
             stats.raw_bytes += 4 * (b - a)
             yield header
             yield frame
+            rnd.moved()
 
     async def _post(
         self, rnd: Round, owner: GroupMember, headers: dict[str, str], data: object, output: np.ndarray
@@ -163,6 +170,8 @@ class Sender:
         timeout = aiohttp.ClientTimeout(total=max(0.05, remaining), sock_connect=cfg.connect_timeout_s)
         try:
             async with self._session_for().post(url, data=data, headers=headers, timeout=timeout) as resp:
+                rnd.begun.add(j)  # (the owner answers once its part closed: it is awake)
+                rnd.moved()
                 if resp.status != 200:
                     rnd.late |= resp.status == 410  # its part or round had closed: I was too late for it
                     return f"HTTP {resp.status}: {await self._error_text(resp)}"

@@ -1,0 +1,284 @@
+"""A member asleep inside a round is cut by the group, through the tracker (issue 27; tracker/cuts.py,
+volunteer/averaging/cutting.py).
+
+The rules alone (:class:`~crowdtrain.tracker.cuts.Cuts`), then real Averagers behind real HTTP servers with a
+real tracker deciding: a sleeper is a part owner whose port takes connections and never answers (what a
+SIGSTOPped process looks like from the network: the kernel completes the handshake and buffers what comes),
+or a real Averager that joins its round only after the others gave up on it (it woke up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from crowdtrain.protocol.client import TrackerClient
+from crowdtrain.protocol.credentials import SigningKey, sign_assignment
+from crowdtrain.protocol.errors import TrackerError
+from crowdtrain.protocol.messages import AveragingSpec, CutCall, GroupAssignment, GroupMember
+from crowdtrain.tracker.cuts import FORGET_AFTER_S, Cuts
+from crowdtrain.volunteer.averaging import Averager, AveragingConfig, part_bounds
+from crowdtrain.volunteer.averaging.cutting import QUIET_ROUNDS, tracker_referee
+from tests.sim import SimVolunteer, make_run_create
+
+# ---------------------------------------------------------------- the rules
+
+
+def _assignment(members: list[str], *, deadline: float, round_id: str = "r1") -> GroupAssignment:
+    return GroupAssignment(
+        run_id="run",
+        round_id=round_id,
+        step=5,
+        members=[
+            GroupMember(peer_id=m, address=f"127.0.0.1:{i + 1}", public_key="", weight=1, part=i)
+            for i, m in enumerate(members)
+        ],
+        parts=len(members),
+        average_params=False,
+        deadline=deadline,
+        seed=0,
+        signature="",
+    )
+
+
+async def test_an_owner_is_cut_only_when_every_other_member_voted_before_it_claimed():
+    cut: list[tuple[str, int]] = []
+    cuts = Cuts(lambda owner, step: cut.append((owner, step)))
+    now = time.time()
+    a = _assignment(["a", "b", "c", "s"], deadline=now + 30)
+    votes = [asyncio.create_task(cuts.call(a, "grad", m, "s", now)) for m in ("a", "b")]
+    await asyncio.sleep(0.05)
+    assert not any(v.done() for v in votes)  # (two of three: a vote waits for the decision)
+    assert await cuts.call(a, "grad", "c", "s", now) == "cut"
+    assert await asyncio.gather(*votes) == ["cut", "cut"]
+    assert await cuts.call(a, "grad", "s", "s", now) == "cut"  # the sleeper, awake, hears it was cut
+    assert cut == [("s", 5)]  # once
+    # another tag of the same round, and another owner, are their own cases: a claim first keeps it
+    assert await cuts.call(a, "params", "s", "s", now) == "kept"
+    assert await cuts.call(a, "params", "a", "s", now) == "kept"  # (at once: decided)
+    assert cuts.decided == {"cut": 1, "kept": 1}
+
+
+async def test_an_undecided_vote_is_kept_at_the_deadline_and_late_calls_decide_nothing_new():
+    cuts = Cuts()
+    now = time.time()
+    a = _assignment(["a", "b", "s"], deadline=now + 0.2)
+    assert await cuts.call(a, "grad", "a", "s", now) == "kept"  # b never voted: kept at the deadline
+    assert await cuts.call(a, "grad", "b", "s", now + 1) == "kept"  # (decided)
+    late = _assignment(["a", "b", "s"], deadline=now - 1, round_id="r2")
+    assert await cuts.call(late, "grad", "a", "s", now) == "kept"  # a vote past the deadline: nothing to cut
+    # a claim so late that its case would be forgotten: every member gave up on that answer long ago
+    assert await cuts.call(late, "grad", "s", "s", now + FORGET_AFTER_S + 5) == "cut"
+    assert len(cuts) == 1
+
+
+# ---------------------------------------------------------------- real averagers, a real tracker
+
+
+class _Member:
+    def __init__(self, sim: SimVolunteer, averager: Averager, runner: web.AppRunner) -> None:
+        self.sim, self.averager, self.runner = sim, averager, runner
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def member(self, part: int, weight: int) -> GroupMember:
+        return GroupMember(
+            peer_id=self.sim.peer_id,
+            address=self.address,
+            public_key=self.sim.key.public_hex,
+            weight=weight,
+            part=part,
+        )
+
+
+async def _members(tracker, client: TrackerClient, run_id: str, n: int) -> list[_Member]:
+    config = AveragingConfig(assignment_wait_s=30.0)
+    out = []
+    for _ in range(n):
+        sim = SimVolunteer(client, run_id)
+        joined = await sim.join()
+        averager = Averager(
+            run_id=run_id,
+            tracker_public_key=tracker.public_key,
+            peer_id=joined.peer_id,
+            key=sim.key,
+            credential=joined.credential,
+            config=config,
+            referee=tracker_referee(client, run_id, joined.peer_id, sim.key, joined.credential),
+        )
+        app = web.Application()
+        app.add_routes(averager.routes())
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        out.append(_Member(sim, averager, runner))
+    return out
+
+
+def _unsigned(run_id: str, round_id: str, members: list[GroupMember]) -> GroupAssignment:
+    return GroupAssignment(
+        run_id=run_id,
+        round_id=round_id,
+        step=3,
+        members=members,
+        parts=len(members),
+        average_params=False,
+        deadline=time.time() + 60,
+        seed=0,
+        signature="",
+    )
+
+
+def _signed(tracker, run_id: str, round_id: str, members: list[GroupMember]) -> GroupAssignment:
+    return sign_assignment(tracker.signer, _unsigned(run_id, round_id, members))
+
+
+async def _warm_up(tracker, run_id: str, live: list[_Member]) -> None:
+    """QUIET_ROUNDS rounds among the live members: each measures how long its rounds take."""
+    for i in range(QUIET_ROUNDS):
+        a = _signed(tracker, run_id, f"warm{i}", [m.member(j, 1) for j, m in enumerate(live)])
+        v = np.ones(1000, dtype=np.float32)
+        await asyncio.gather(*(m.averager.allreduce(a, v.copy(), 1.0) for m in live))
+
+
+@pytest.fixture
+async def run(admin):
+    spec = make_run_create(target_batch_size=64, averaging=AveragingSpec(group_size=8))
+    return (await admin.create_run(spec)).run_id
+
+
+async def _stop(members: list[_Member]) -> None:
+    for m in members:
+        await m.averager.close()
+        await m.runner.cleanup()
+
+
+async def test_an_owner_asleep_in_the_round_is_cut_and_the_others_apply_one_mean_without_it(
+    tracker, admin, run
+):
+    """Three awake members and one asleep: the three vote, the tracker cuts it; each zeroes its part and
+    averages the rest without its copies, all alike; nobody waits for the deadline (60 s here)."""
+    live = await _members(tracker, admin, run, 3)
+    sleeper = SimVolunteer(admin, run)
+    await sleeper.join()
+    asleep = socket.socket()  # takes connections, never answers: a stopped process
+    asleep.bind(("127.0.0.1", 0))
+    asleep.listen(16)
+    try:
+        await _warm_up(tracker, run, live)
+        members = [m.member(j, 10 * (j + 1)) for j, m in enumerate(live)]
+        members.append(
+            GroupMember(
+                peer_id=sleeper.peer_id,
+                address=f"127.0.0.1:{asleep.getsockname()[1]}",
+                public_key=sleeper.key.public_hex,
+                weight=40,
+                part=3,
+            )
+        )
+        a = _signed(tracker, run, "asleep", members)
+        rng = np.random.default_rng(1)
+        vectors = [rng.standard_normal(4000).astype(np.float32) for _ in live]
+        results = await asyncio.gather(
+            *(
+                m.averager.allreduce(a, v.copy(), float(10 * (j + 1)))
+                for j, (m, v) in enumerate(zip(live, vectors, strict=True))
+            )
+        )
+        assert time.time() < a.deadline - 30  # (the cut, not the deadline, ended it)
+        for r in results:
+            assert r.failed_parts == (3,), r.reasons
+            assert "cut from the round" in r.reasons["part 3"]
+            assert not r.late
+        lo = part_bounds(4000, 4)[3][0]  # parts 0-2, then the sleeper's
+        np.testing.assert_array_equal(results[0].values[:lo], results[1].values[:lo])
+        np.testing.assert_array_equal(results[0].values[:lo], results[2].values[:lo])
+        w = np.array([10, 20, 30], dtype=np.float64)
+        mean = sum(v.astype(np.float64) * wi for v, wi in zip(vectors, w, strict=True)) / w.sum()
+        np.testing.assert_allclose(results[0].values[:lo], mean[:lo], rtol=1e-5, atol=1e-6)
+        # the sleeper's part keeps each one's own values (the engine zeroes a failed part, alike for all)
+        for r, v in zip(results, vectors, strict=True):
+            np.testing.assert_array_equal(r.values[lo:], v[lo:])
+        assert tracker.runs.get(run).state.cuts.decided["cut"] == 1
+    finally:
+        asleep.close()
+        await _stop(live)
+
+
+async def test_a_member_that_wakes_after_the_group_cut_it_hears_so_and_applies_nothing(tracker, admin, run):
+    """The sleeper here is a real Averager that joins its round only after the others cut it (it was asleep
+    while their copies waited in its socket): its own part's answer reaches nobody, its copies are refused,
+    and its claim says it was cut, so its round is late (it rejoins by replay instead of applying)."""
+    members = await _members(tracker, admin, run, 4)
+    live, sleeper = members[:3], members[3]
+    try:
+        await _warm_up(tracker, run, live)
+        a = _signed(tracker, run, "woke", [m.member(j, 8) for j, m in enumerate(members)])
+        vectors = [np.full(2000, float(j + 1), dtype=np.float32) for j in range(4)]
+        awake = asyncio.gather(*(m.averager.allreduce(a, vectors[j].copy(), 8.0) for j, m in enumerate(live)))
+        results = await awake
+        assert all(r.failed_parts == (3,) for r in results), [r.reasons for r in results]
+        woke = await sleeper.averager.allreduce(a, vectors[3].copy(), 8.0)
+        assert woke.late  # cut: it must not apply what it reduced
+        lo = part_bounds(2000, 4)[3][0]
+        np.testing.assert_array_equal(results[0].values[:lo], results[2].values[:lo])
+        np.testing.assert_allclose(results[0].values[:lo], 2.0)  # (1 + 2 + 3) / 3: without its copies
+    finally:
+        await _stop(members)
+
+
+async def test_with_everyone_awake_no_one_is_cut_and_every_owner_claims_its_part(tracker, admin, run):
+    members = await _members(tracker, admin, run, 4)
+    try:
+        await _warm_up(tracker, run, members[:3])
+        cuts = tracker.runs.get(run).state.cuts
+        before = dict(cuts.decided)
+        a = _signed(tracker, run, "all", [m.member(j, 5) for j, m in enumerate(members)])
+        vectors = [np.full(3000, float(j), dtype=np.float32) for j in range(4)]
+        results = await asyncio.gather(
+            *(m.averager.allreduce(a, vectors[j].copy(), 5.0) for j, m in enumerate(members))
+        )
+        for r in results:
+            assert not r.failed_parts and not r.late
+            np.testing.assert_allclose(r.values, 1.5)
+        assert cuts.decided == {"cut": before["cut"], "kept": before["kept"] + 4}  # one claim per owner
+    finally:
+        await _stop(members)
+
+
+async def test_the_tracker_refuses_cut_calls_it_cannot_trust(tracker, admin, run):
+    a, b = SimVolunteer(admin, run), SimVolunteer(admin, run)
+    await a.join()
+    await b.join()
+    members = [
+        GroupMember(
+            peer_id=p.peer_id, address=f"127.0.0.1:{i + 1}", public_key=p.key.public_hex, weight=1, part=i
+        )
+        for i, p in enumerate((a, b))
+    ]
+    good = _signed(tracker, run, "g", members)
+    forged = sign_assignment(SigningKey(), _unsigned(run, "g", members))
+
+    async def call(assignment: GroupAssignment, owner: str, tag: str = "grad") -> str:
+        msg = CutCall(peer_id=a.peer_id, assignment=assignment, tag=tag, owner=owner)
+        return (await admin.cut(run, msg, a.key, a.joined.credential, 1.0)).decision
+
+    with pytest.raises(TrackerError, match="not one this tracker signed"):
+        await call(forged, b.peer_id)
+    with pytest.raises(TrackerError, match="owns no part"):
+        await call(good, "nobody")
+    with pytest.raises(TrackerError, match="runs under grad and params, not grad-p3"):
+        await call(good, b.peer_id, "grad-p3")  # (a tag of another phase: no cases out of thin air)
+    stranger = SimVolunteer(admin, run)
+    await stranger.join()
+    with pytest.raises(TrackerError, match="not a member"):
+        msg = CutCall(peer_id=stranger.peer_id, assignment=good, tag="grad", owner=b.peer_id)
+        await admin.cut(run, msg, stranger.key, stranger.joined.credential, 1.0)
+    assert await call(good, a.peer_id) == "kept"  # its own claim
