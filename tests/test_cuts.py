@@ -10,8 +10,12 @@ or a real Averager that joins its round only after the others gave up on it (it 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import socket
+import sys
 import time
+from asyncio.subprocess import PIPE
 
 import numpy as np
 import pytest
@@ -20,10 +24,11 @@ from aiohttp import web
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey, sign_assignment
 from crowdtrain.protocol.errors import TrackerError
-from crowdtrain.protocol.messages import AveragingSpec, CutCall, GroupAssignment, GroupMember
+from crowdtrain.protocol.messages import AveragingSpec, CutCall, GroupAssignment, GroupMember, encode
 from crowdtrain.tracker.cuts import FORGET_AFTER_S, Cuts
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig, part_bounds
 from crowdtrain.volunteer.averaging.cutting import QUIET_ROUNDS, tracker_referee
+from tests.faults import subprocess_env as child_env
 from tests.sim import SimVolunteer, make_run_create
 
 # ---------------------------------------------------------------- the rules
@@ -212,26 +217,129 @@ async def test_an_owner_asleep_in_the_round_is_cut_and_the_others_apply_one_mean
         await _stop(live)
 
 
+class _Sleepy:
+    """A real Averager in a process of its own (tests/sleepy_peer.py), to be stopped and woken."""
+
+    def __init__(self, sim: SimVolunteer, proc: asyncio.subprocess.Process, port: int) -> None:
+        self.sim, self.proc, self.port = sim, proc, port
+
+    @classmethod
+    async def start(cls, tracker, client: TrackerClient, run_id: str) -> _Sleepy:
+        sim = SimVolunteer(client, run_id)
+        joined = await sim.join()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.sleepy_peer", stdin=PIPE, stdout=PIPE, env=child_env()
+        )
+        setup = {
+            "run_id": run_id,
+            "tracker_url": tracker.url,
+            "tracker_public_key": tracker.public_key,
+            "peer_id": joined.peer_id,
+            "key": sim.key.private_bytes().hex(),
+            "credential": encode(joined.credential).decode(),
+        }
+        proc.stdin.write((json.dumps(setup) + "\n").encode())
+        port = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))["port"]
+        return cls(sim, proc, port)
+
+    def member(self, part: int, weight: int) -> GroupMember:
+        return GroupMember(
+            peer_id=self.sim.peer_id,
+            address=f"127.0.0.1:{self.port}",
+            public_key=self.sim.key.public_hex,
+            weight=weight,
+            part=part,
+        )
+
+    def begin(self, a: GroupAssignment, fill: float, size: int, weight: int) -> None:
+        job = {"assignment": json.loads(encode(a)), "fill": fill, "size": size, "weight": weight}
+        self.proc.stdin.write((json.dumps(job) + "\n").encode())
+
+    async def result(self) -> dict:
+        return json.loads(await asyncio.wait_for(self.proc.stdout.readline(), 60))
+
+    async def stop(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 20)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
 async def test_a_member_that_wakes_after_the_group_cut_it_hears_so_and_applies_nothing(tracker, admin, run):
-    """The sleeper here is a real Averager that joins its round only after the others cut it (it was asleep
-    while their copies waited in its socket): its own part's answer reaches nobody, its copies are refused,
-    and its claim says it was cut, so its round is late (it rejoins by replay instead of applying)."""
-    members = await _members(tracker, admin, run, 4)
-    live, sleeper = members[:3], members[3]
+    """The sleeper is a real Averager in its own process, stopped (SIGSTOP) before its round begins: the others'
+    copies wait in its socket, its peer answers no ping, and the group cuts it. Woken, it runs its round: its
+    copies are refused, its claim says it was cut, so its round is late (it rejoins by replay instead of
+    applying what it reduced)."""
+    live = await _members(tracker, admin, run, 3)
+    sleeper = await _Sleepy.start(tracker, admin, run)
     try:
         await _warm_up(tracker, run, live)
-        a = _signed(tracker, run, "woke", [m.member(j, 8) for j, m in enumerate(members)])
-        vectors = [np.full(2000, float(j + 1), dtype=np.float32) for j in range(4)]
-        awake = asyncio.gather(*(m.averager.allreduce(a, vectors[j].copy(), 8.0) for j, m in enumerate(live)))
-        results = await awake
+        a = _signed(
+            tracker, run, "woke", [*(m.member(j, 8) for j, m in enumerate(live)), sleeper.member(3, 8)]
+        )
+        sleeper.proc.send_signal(signal.SIGSTOP)
+        sleeper.begin(a, 4.0, 2000, 8)  # (read once it wakes)
+        vectors = [np.full(2000, float(j + 1), dtype=np.float32) for j in range(3)]
+        results = await asyncio.gather(
+            *(m.averager.allreduce(a, vectors[j], 8.0) for j, m in enumerate(live))
+        )
         assert all(r.failed_parts == (3,) for r in results), [r.reasons for r in results]
-        woke = await sleeper.averager.allreduce(a, vectors[3].copy(), 8.0)
-        assert woke.late  # cut: it must not apply what it reduced
         lo = part_bounds(2000, 4)[3][0]
         np.testing.assert_array_equal(results[0].values[:lo], results[2].values[:lo])
         np.testing.assert_allclose(results[0].values[:lo], 2.0)  # (1 + 2 + 3) / 3: without its copies
+        sleeper.proc.send_signal(signal.SIGCONT)
+        woke = await sleeper.result()
+        assert woke["late"] is True  # cut: it must not apply what it reduced
     finally:
-        await _stop(members)
+        await sleeper.stop()
+        await _stop(live)
+
+
+async def test_two_members_asleep_in_a_round_and_woken_together_are_not_cut_nor_cut_anyone(
+    tracker, admin, run
+):
+    """Two of four stopped inside their round: neither can be cut (each needs the other's vote), and the
+    awake members, whose parts wait for the sleepers' copies, answer pings, so woken together the sleepers
+    find everyone awake and cut no one: the round completes with one mean, nobody late."""
+    live = await _members(tracker, admin, run, 2)
+    sleepers = [await _Sleepy.start(tracker, admin, run) for _ in range(2)]
+    try:
+        members = [
+            *(m.member(j, 4) for j, m in enumerate(live)),
+            *(s.member(2 + k, 4) for k, s in enumerate(sleepers)),
+        ]
+        for i in range(QUIET_ROUNDS):  # (every member measures its rounds: the sleepers vote too)
+            a = _signed(tracker, run, f"warm-all{i}", members)
+            for s in sleepers:
+                s.begin(a, 1.0, 800, 4)
+            await asyncio.gather(*(m.averager.allreduce(a, np.ones(800, np.float32), 4.0) for m in live))
+            assert [(await s.result())["late"] for s in sleepers] == [False, False]
+        a = _signed(tracker, run, "both", members)
+        for s in sleepers:
+            s.begin(a, 3.0, 800, 4)
+        await asyncio.sleep(0.005)
+        for s in sleepers:
+            s.proc.send_signal(signal.SIGSTOP)
+        rounds = asyncio.gather(*(m.averager.allreduce(a, np.ones(800, np.float32), 4.0) for m in live))
+        await asyncio.sleep(
+            2.0
+        )  # (the awake ones vote on the sleepers; no cut without the other sleeper's vote)
+        for s in sleepers:
+            s.proc.send_signal(signal.SIGCONT)
+        results = await rounds
+        woke = [await s.result() for s in sleepers]
+        assert woke == [{"late": False, "failed": []}] * 2
+        for r in results:
+            assert not r.failed_parts and not r.late, r.reasons
+            np.testing.assert_allclose(r.values, 2.0)  # (1 + 1 + 3 + 3) / 4
+        assert tracker.runs.get(run).state.cuts.decided["cut"] == 0
+    finally:
+        for s in sleepers:
+            await s.stop()
+        await _stop(live)
 
 
 async def test_with_everyone_awake_no_one_is_cut_and_every_owner_claims_its_part(tracker, admin, run):

@@ -533,6 +533,7 @@ def peer_cases(make: Callable[..., Attack], **kw: Any) -> dict[str, tuple[int, A
 
 PEER_PUBLIC = {
     ("GET", "/v1/ping"): "the tracker's reachability check; answers only this peer's id",
+    ("GET", "/v1/awake"): "asked by a round's members before they vote to cut it: 204, says nothing",
 }
 
 PEER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {

@@ -165,7 +165,14 @@ class Rounds:
                 self.checker.drop(rnd.phases[0])
             return rnd
         if check is not None:
+            # (checking takes a share's compute: the parameter round this peer joins late must not cut it)
+            ahead = [
+                asyncio.create_task(self.run.averager.claim_ahead(a, _tag("params", a.phase)))
+                for a in rnd.phases
+                if rnd.average_params
+            ]
             await self.checker.check(check, rnd.phases[0])
+            await asyncio.gather(*ahead)
         if failed:
             self.run.note(
                 logging.WARNING,
@@ -228,7 +235,7 @@ class Rounds:
                     buf = self._mean_bufs[i % 2] = np.empty_like(vector)
                 out = buf
             # a tag per phase: a lossy codec's error feedback stays within what each phase sends
-            phase_tag = tag if a.phase == 0 else f"{tag}-p{a.phase}"
+            phase_tag = _tag(tag, a.phase)
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
             if result.late:
                 # (the others averaged without my copy of those parts, or zeroed the part I own because the
@@ -260,3 +267,8 @@ class Rounds:
             run.note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
             return None
         return values
+
+
+def _tag(tag: str, phase: int) -> str:
+    """The tag of a step's round in ``phase`` (grad, grad-p1, ...; params likewise)."""
+    return tag if phase == 0 else f"{tag}-p{phase}"

@@ -78,6 +78,12 @@ from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder, KeptPart
 from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
 
+AWAKE_ROUTE = "/v1/awake"  # answers whenever this peer's loop runs: asked before a vote to cut it
+
+
+async def _awake(request: web.Request) -> web.Response:
+    return web.Response(status=204)
+
 
 class Averager:
     """This peer's side of group all-reduce: it checks each assignment, then runs the round between the part
@@ -113,7 +119,7 @@ class Averager:
             coder=self._coder,
         )
         self.sender = Sender(key=key, credential=credential, config=self.config, coder=self._coder)
-        self.cutter = Cutter(peer_id, referee) if referee is not None else None
+        self.cutter = Cutter(peer_id, referee, self.sender.awake) if referee is not None else None
         # spot-checks: the samples of this peer's own gradients, served to checkers; as a checker, the
         # suspect wanted per round id (and the event its copy's arrival sets), and its copy of my part kept
         # (my part's bounds, the values)
@@ -131,10 +137,22 @@ class Averager:
         return self.owner.upload_bps
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(ROUTE, self.owner.handle), *self.samples.routes(), *self.averages.routes()]
+        return [
+            web.post(ROUTE, self.owner.handle),
+            web.get(AWAKE_ROUTE, _awake),
+            *self.samples.routes(),
+            *self.averages.routes(),
+        ]
 
     async def close(self) -> None:
         await self.sender.close()
+
+    async def claim_ahead(self, assignment: GroupAssignment, tag: str) -> None:
+        """Tell the tracker this peer is awake for its part of a round it will join late (a spot-check comes
+        first); nothing without a referee, or without a part of its own."""
+        me = next((m for m in assignment.members if m.peer_id == self.peer_id), None)
+        if self.cutter is not None and me is not None and me.part >= 0 and len(assignment.members) > 1:
+            await self.cutter.claim_ahead(assignment, tag)
 
     async def allreduce(
         self,

@@ -6,10 +6,11 @@ every member applies, so giving up on one must be one decision for the whole gro
 (:mod:`crowdtrain.tracker.cuts`):
 
 * **Vote.** Once the round has been quiet (nothing arrived or went out completely) for ``quiet_s``, this
-  member votes to cut every owner whose answer has not begun. The tracker cuts an owner when every other
-  member voted before it claimed. Cut: this member stops waiting for its answer (that part is failed,
-  zeroed alike by every member) and for its copy of this member's own part; the owner's later copies are
-  refused (410).
+  member asks every owner whose answer has not begun whether it is awake at all (``GET /v1/awake``, within
+  ``quiet_s``: an owner waiting for another member's copy answers) and votes to cut those that do not.
+  The tracker cuts an owner when every other member voted before it claimed. Cut: this member stops
+  waiting for its answer (that part is failed, zeroed alike by every member) and for its copy of this
+  member's own part; the owner's later copies are refused (410).
 * **Claim.** This member, as a part owner, asks once its answer went out whether it may apply the round.
   Cut (it was asleep while every other member waited): the round is ``late`` for it, it applies nothing
   and rejoins by replaying the others' average.
@@ -74,10 +75,18 @@ def tracker_referee(
 class Cutter:
     """This peer's votes and claims, and the round durations its quiet time is measured from."""
 
-    def __init__(self, peer_id: str, referee: Referee) -> None:
+    def __init__(
+        self, peer_id: str, referee: Referee, awake: Callable[[GroupMember, float], Awaitable[bool]]
+    ) -> None:
+        """``awake(owner, within_s)``: whether the owner's peer answers at all (it may be waiting for another
+        member's copy: then it is not the one asleep)."""
         self.peer_id = peer_id
         self.referee = referee
+        self.awake = awake
         self._durations: collections.deque[float] = collections.deque(maxlen=MEASURED_ROUNDS)
+        # round id -> the owners cut from it (under any tag): its next tag (params after grad) does not
+        # wait out a quiet time for them
+        self._cut_from: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
 
     def measured(self, duration_s: float) -> None:
         """A round that nobody was cut from took ``duration_s`` here."""
@@ -89,6 +98,17 @@ class Cutter:
             return None
         return max(QUIET_FLOOR_S, QUIET_FACTOR * statistics.median(self._durations))
 
+    async def claim_ahead(self, a: GroupAssignment, tag: str) -> None:
+        """Claim this peer's part of a round it will join late, still awake (a spot-checker recomputes a
+        gradient before its parameter round): the others do not cut it for being slow."""
+        await self.referee(a, tag, self.peer_id)
+
+    def _cut(self, rnd: Round, owner: str) -> None:
+        rnd.cut.add(owner)
+        self._cut_from.setdefault(rnd.assignment.round_id, set()).add(owner)
+        while len(self._cut_from) > MEASURED_ROUNDS:
+            self._cut_from.popitem(last=False)
+
     async def claim(self, rnd: Round) -> None:
         """As the owner of a part: once its answer went out, ask whether the group cut this peer meanwhile;
         if so the round is late for it (it must not apply what it reduced: the others zeroed that part)."""
@@ -97,7 +117,7 @@ class Cutter:
         await red.complete.wait()
         if await self.referee(rnd.assignment, rnd.tag, self.peer_id) == "cut":
             rnd.late = True
-            rnd.cut.add(self.peer_id)
+            self._cut(rnd, self.peer_id)
             log.warning(
                 "round %s: the group cut this peer (it was asleep while every other member waited)", rnd.key
             )
@@ -116,21 +136,49 @@ class Cutter:
         if quiet is None:
             return
         owners = {m.part: m for m in rnd.assignment.members if m.part in exchanges}
-        votes: dict[int, asyncio.Task[None]] = {}
+        cut_before = self._cut_from.get(rnd.assignment.round_id, set())
+        asks: dict[int, asyncio.Task[bool]] = {}  # per owner: asleep? then a vote (True: it voted)
         try:
             while waiting := [t for t in exchanges.values() if not t.done()]:
                 left = rnd.moved_at + quiet - time.monotonic()
+                for j, t in exchanges.items():
+                    ask = asks.get(j)
+                    if t.done() or j in rnd.begun or (ask is not None and (not ask.done() or ask.result())):
+                        continue
+                    if left <= 0 or owners[j].peer_id in cut_before:
+                        known = owners[j].peer_id in cut_before
+                        asks[j] = asyncio.create_task(
+                            self._ask(rnd, owners[j], t, failed, vector, quiet, known)
+                        )
                 if left <= 0:
-                    for j, t in exchanges.items():
-                        if not t.done() and j not in rnd.begun and j not in votes:
-                            votes[j] = asyncio.create_task(self._vote(rnd, owners[j], t, failed, vector))
-                    left = quiet  # (then look again: an answer that began may stall in turn)
-                await asyncio.wait(waiting, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if votes:
-                await asyncio.gather(*votes.values())
+                    left = quiet  # (then look again: one awake may fall asleep, an answer may stall)
+                    rnd.moved()
+                busy = [a for a in asks.values() if not a.done()]
+                await asyncio.wait([*waiting, *busy], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if asks:
+                await asyncio.gather(*asks.values())
         finally:
-            for v in votes.values():
-                v.cancel()
+            for a in asks.values():
+                a.cancel()
+
+    async def _ask(
+        self,
+        rnd: Round,
+        owner: GroupMember,
+        exchange: asyncio.Task[None],
+        failed: dict[int, str],
+        vector: np.ndarray,
+        quiet: float,
+        known: bool,
+    ) -> bool:
+        """Vote on ``owner`` if it does not answer a ping within ``quiet`` (``known``: it was cut from this
+        round already, under another tag: no ping); False if it answered (it waits for someone else)."""
+        if not known and await self.awake(owner, quiet):
+            return False
+        if exchange.done() or owner.part in rnd.begun:
+            return True
+        await self._vote(rnd, owner, exchange, failed, vector)
+        return True
 
     async def _vote(
         self,
@@ -142,7 +190,7 @@ class Cutter:
     ) -> None:
         if await self.referee(rnd.assignment, rnd.tag, owner.peer_id) != "cut":
             return
-        rnd.cut.add(owner.peer_id)
+        self._cut(rnd, owner.peer_id)
         if owner.part not in rnd.begun:  # nothing of its answer is being written into the output
             exchange.cancel()
         await asyncio.wait([exchange])

@@ -196,6 +196,17 @@ class Sender:
             return f"an answer of more than {limit} bytes"
         return raw.decode("utf-8", "replace")
 
+    async def awake(self, owner: GroupMember, within_s: float) -> bool:
+        """Whether ``owner``'s peer answers at all within ``within_s`` (``GET /v1/awake``): one that waits for
+        other members' copies still answers; one asleep (stopped, a lid closed) does not."""
+        url = f"http://{owner.address}/v1/awake"
+        try:
+            async with asyncio.timeout(within_s), self._session_for().get(url) as resp:
+                await resp.read()
+        except _NETWORK_ERRORS:
+            return False
+        return True
+
     def _session_for(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
