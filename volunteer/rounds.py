@@ -171,8 +171,12 @@ class Rounds:
                 for a in rnd.phases
                 if rnd.average_params
             ]
-            await self.checker.check(check, rnd.phases[0])
-            await asyncio.gather(*ahead)
+            try:
+                await self.checker.check(check, rnd.phases[0])
+                await asyncio.gather(*ahead)
+            finally:
+                for task in ahead:
+                    task.cancel()
         if failed:
             self.run.note(
                 logging.WARNING,

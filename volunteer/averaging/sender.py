@@ -201,8 +201,8 @@ class Sender:
         other members' copies still answers; one asleep (stopped, a lid closed) does not."""
         url = f"http://{owner.address}/v1/awake"
         try:
-            async with asyncio.timeout(within_s), self._session_for().get(url) as resp:
-                await resp.read()
+            async with asyncio.timeout(within_s), self._session_for().get(url):
+                pass  # (its status line came: it is awake; its body is never read)
         except _NETWORK_ERRORS:
             return False
         return True
