@@ -17,6 +17,7 @@ Every message is a sentence that says what went wrong and, where it can, what to
     ├── ApiError*                    a tracker route's refusal: its HTTP status and sentence (tracker/replies.py)
     ├── StateRefused*                a state declaration the tracker does not record (tracker/donors.py)
     ├── VerdictRefused*              a spot-check verdict the tracker did not draw (tracker/spotchecks.py)
+    ├── CutRefused*                  a cut call the tracker cannot hold: too many open cases (tracker/cuts.py)
     ├── DatasetError                 a data set cannot be made, read or fetched
     ├── RecipeError                  the model recipe is unknown or does not match the run's spec
     ├── AveragingError               an all-reduce round failed as a whole

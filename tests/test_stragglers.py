@@ -11,22 +11,78 @@ freeze, and the sleeper is back on the others' parameters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 
 from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.engine import Volunteer
+from crowdtrain.volunteer.joined import Summary
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.state.snapshot import load_snapshot
 from tests.faults import VolunteerProcess
-from tests.harness import Recorder, published_run, volunteers
+from tests.harness import Published, Recorder, published_run, volunteers
 
 FREEZE_S = 20.0
 STEPS_AFTER_WAKE = 8
+
+
+@dataclass
+class Sleeping:
+    """A run with three volunteers in this process and a fourth, the sleeper, in a process of its own."""
+
+    run: Published
+    others: list[Volunteer]
+    recs: list[Recorder]
+    seen: list[list[ev.Event]]
+    sleeper: VolunteerProcess
+    summaries: list[Summary] = field(default_factory=list)  # the others', once they stopped
+
+
+@contextlib.asynccontextmanager
+async def three_and_a_sleeper(tmp_path, seed: int, mode: dict | None = None) -> AsyncIterator[Sleeping]:
+    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0, **(mode or {})}
+    # (peer_ttl_s above the freeze: the sleeper is a straggler, not a peer that left)
+    async with published_run(
+        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
+    ) as run:
+        recs = [Recorder() for _ in range(3)]
+        seen: list[list[ev.Event]] = [[], [], []]
+        others = volunteers(
+            run, tmp_path, 3, name="awake", seed=seed, record=recs, emit=[e.append for e in seen]
+        )
+        tasks = [asyncio.create_task(v.run()) for v in others]
+        sleeper = await VolunteerProcess.start(
+            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
+        )
+        s = Sleeping(run, others, recs, seen, sleeper)
+        try:
+            yield s
+        finally:
+            await sleeper.stop()  # Ctrl-C: it keeps the state it reached
+            for v in others:
+                v.stop()
+            s.summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+
+def assert_it_kept_their_parameters(tmp_path, s: Sleeping) -> None:
+    """The state the sleeper kept on leaving is the others' at that step."""
+    run = s.run
+    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
+    theirs = s.recs[0].params.get(kept.step)
+    assert theirs is not None, (kept.step, sorted(s.recs[0].params)[-3:])
+    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
+    model.load_state_dict(kept.model_state)
+    # (the engine's flat order: parameters sorted by name)
+    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
+    np.testing.assert_array_equal(flat, theirs)
 
 
 @pytest.mark.slow
@@ -37,47 +93,29 @@ STEPS_AFTER_WAKE = 8
 async def test_a_volunteer_frozen_20_s_stalls_no_one_and_takes_the_steps_after_it_wakes(tmp_path, mode):
     """In local-steps mode too: a round never waits on one volunteer's inner steps. (Frozen while it owns a
     part of a round in flight, e.g. with delay 1, the round waits for its deadline: not covered here.)"""
-    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0, **mode}
-    # (peer_ttl_s above the freeze: the sleeper is a straggler, not a peer that left)
-    async with published_run(
-        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
-    ) as run:
-        recs = [Recorder() for _ in range(3)]
-        seen: list[list[ev.Event]] = [[], [], []]
-        others = volunteers(
-            run, tmp_path, 3, name="awake", seed=300, record=recs, emit=[s.append for s in seen]
+    async with three_and_a_sleeper(tmp_path, 300, mode) as s:
+        sleeper, others = s.sleeper, s.others
+        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
+        # freeze it while it computes its share of a step (it owes samples then)
+        await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
+        os.kill(sleeper.proc.pid, signal.SIGSTOP)
+        frozen_at, frozen_step = time.time(), min(v.step for v in others)
+        await asyncio.sleep(FREEZE_S)
+        woke_at, woke_step = time.time(), min(v.step for v in others)
+        os.kill(sleeper.proc.pid, signal.SIGCONT)
+        await sleeper.wait_for(
+            lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= STEPS_AFTER_WAKE, 120
         )
-        tasks = [asyncio.create_task(v.run()) for v in others]
-        sleeper = await VolunteerProcess.start(
-            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
-        )
-        try:
-            await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
-            # freeze it while it computes its share of a step (it owes samples then)
-            await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
-            os.kill(sleeper.proc.pid, signal.SIGSTOP)
-            frozen_at, frozen_step = time.time(), min(v.step for v in others)
-            await asyncio.sleep(FREEZE_S)
-            woke_at, woke_step = time.time(), min(v.step for v in others)
-            os.kill(sleeper.proc.pid, signal.SIGCONT)
-            await sleeper.wait_for(
-                lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= STEPS_AFTER_WAKE, 120
-            )
-            end_step = min(v.step for v in others)
-        finally:
-            await sleeper.stop()  # Ctrl-C: it keeps the state it reached
-            for v in others:
-                v.stop()
-            summaries = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        end_step = min(v.step for v in others)
 
     # the others went on while it slept: many steps, none of them waiting out the freeze
     assert woke_step - frozen_step >= 3, (frozen_step, woke_step)
-    for events in seen:
+    for events in s.seen:
         done = [e for e in events if isinstance(e, ev.StepDone)]
         # each step's wall time: from the StepDone before it to its own
         during = [(b.step, b.t - a.t) for a, b in itertools.pairwise(done) if frozen_at <= b.t <= woke_at + 5]
-        assert during and max(s for _, s in during) < FREEZE_S / 2, during
-    assert all(s.steps_missed == 0 for s in summaries), summaries
+        assert during and max(t for _, t in during) < FREEZE_S / 2, during
+    assert all(summary.steps_missed == 0 for summary in s.summaries), s.summaries
 
     # on waking it heard what it missed, dropped its stale work and caught up from the others' state...
     missed = [e for e in sleeper.of(ev.StepMissed) if e.t > frozen_at]
@@ -86,7 +124,7 @@ async def test_a_volunteer_frozen_20_s_stalls_no_one_and_takes_the_steps_after_i
     # ...then took at least 80 % of the steps of the run after it woke (from the first it took on)
     after = sorted({e.step for e in sleeper.of(ev.StepDone) if e.t > woke_at})
     run_steps = end_step - after[0]
-    assert len([s for s in after if s < end_step]) >= 0.8 * run_steps, (after, end_step)
+    assert len([step for step in after if step < end_step]) >= 0.8 * run_steps, (after, end_step)
     # no warning that the tracker failed it: the tracker was fine, the sleeper was asleep
     warnings = [
         e.message
@@ -95,14 +133,7 @@ async def test_a_volunteer_frozen_20_s_stalls_no_one_and_takes_the_steps_after_i
     ]
     assert not warnings, warnings
     # ...with the others' parameters: the state it kept on leaving is theirs at that step
-    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
-    theirs = recs[0].params.get(kept.step)
-    assert theirs is not None, (kept.step, sorted(recs[0].params)[-3:])
-    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
-    model.load_state_dict(kept.model_state)
-    # (the engine's flat order: parameters sorted by name)
-    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
-    np.testing.assert_array_equal(flat, theirs)
+    assert_it_kept_their_parameters(tmp_path, s)
 
 
 @pytest.mark.slow
@@ -115,35 +146,19 @@ async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_ave
     fetches their averages from the others (each from two that agree) and replays them on the state it
     kept, instead of fetching the whole state; it then takes the next steps with the others, on their
     parameters."""
-    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0}
-    async with published_run(
-        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
-    ) as run:
-        recs = [Recorder() for _ in range(3)]
-        others = volunteers(run, tmp_path, 3, name="awake", seed=310, record=recs)
-        tasks = [asyncio.create_task(v.run()) for v in others]
-        sleeper = await VolunteerProcess.start(
-            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
-        )
+    async with three_and_a_sleeper(tmp_path, 310) as s:
+        sleeper, others = s.sleeper, s.others
+        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
+        await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
+        os.kill(sleeper.proc.pid, signal.SIGSTOP)
+        frozen_at, frozen_step = time.time(), min(v.step for v in others)
         try:
-            await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
-            await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
-            os.kill(sleeper.proc.pid, signal.SIGSTOP)
-            frozen_at, frozen_step = time.time(), min(v.step for v in others)
-            try:
-                while min(v.step for v in others) < frozen_step + 2:  # (the others step without it)
-                    await asyncio.sleep(0.05)
-            finally:
-                os.kill(sleeper.proc.pid, signal.SIGCONT)
-            woke_at = time.time()
-            await sleeper.wait_for(
-                lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 3, 120
-            )
+            while min(v.step for v in others) < frozen_step + 2:  # (the others step without it)
+                await asyncio.sleep(0.05)
         finally:
-            await sleeper.stop()
-            for v in others:
-                v.stop()
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            os.kill(sleeper.proc.pid, signal.SIGCONT)
+        woke_at = time.time()
+        await sleeper.wait_for(lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 3, 120)
 
     assert [e for e in sleeper.of(ev.StepMissed) if e.t > frozen_at], sleeper.tail()
     rejoined = [
@@ -151,13 +166,7 @@ async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_ave
     ]
     assert rejoined, sleeper.tail()
     assert not [e for e in sleeper.of(ev.StateLoaded) if e.t > frozen_at], "it fetched the whole state"
-    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
-    theirs = recs[0].params.get(kept.step)
-    assert theirs is not None, (kept.step, sorted(recs[0].params)[-3:])
-    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
-    model.load_state_dict(kept.model_state)
-    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
-    np.testing.assert_array_equal(flat, theirs)
+    assert_it_kept_their_parameters(tmp_path, s)
 
 
 FROZEN_IN_ROUND_S = 8.0
@@ -171,49 +180,30 @@ async def test_a_volunteer_frozen_inside_its_round_is_cut_by_the_group_and_no_on
     tracker (tracker/cuts.py) instead of waiting for the round's deadline (10 s here) or its waking (8 s);
     on waking it hears it was cut, applies nothing of that round, rejoins and takes the next steps on the
     others' parameters."""
-    averaging = {"gather_s": 1.0, "step_timeout_s": 60.0, "round_timeout_s": 10.0}
-    async with published_run(
-        tmp_path, averaging=averaging, target_batch_size=64, micro_batch_size=8, tracker={"peer_ttl_s": 60.0}
-    ) as run:
-        cuts = run.tracker.runs.get(run.spec.run_id).state.cuts
-        recs = [Recorder() for _ in range(3)]
-        seen: list[list[ev.Event]] = [[], [], []]
-        others = volunteers(
-            run, tmp_path, 3, name="awake", seed=320, record=recs, emit=[s.append for s in seen]
-        )
-        tasks = [asyncio.create_task(v.run()) for v in others]
-        sleeper = await VolunteerProcess.start(
-            "sleeper", run.spec.run_id, run.tracker.url, tmp_path / "sleeper"
-        )
-        try:
-            await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 4, 120)
-            for _ in range(10):  # (a round takes tens of ms here: the signal may land after it)
-                await sleeper.wait_for(
-                    lambda e: isinstance(e, ev.PhaseChanged) and e.phase == "averaging",
-                    30,
-                    after=len(sleeper.events),
-                )
-                os.kill(sleeper.proc.pid, signal.SIGSTOP)
-                frozen_at = time.time()
-                await asyncio.sleep(1.5)
-                if cuts.decided["cut"]:
-                    break
-                os.kill(sleeper.proc.pid, signal.SIGCONT)
-            else:
-                pytest.fail("the volunteer was never stopped inside a round")
-            await asyncio.sleep(FROZEN_IN_ROUND_S - (time.time() - frozen_at))
-            woke_at = time.time()
-            os.kill(sleeper.proc.pid, signal.SIGCONT)
+    async with three_and_a_sleeper(tmp_path, 320) as s:
+        sleeper = s.sleeper
+        cuts = s.run.tracker.runs.get(s.run.spec.run_id).state.cuts
+        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 4, 120)
+        for _ in range(10):  # (a round takes tens of ms here: the signal may land after it)
             await sleeper.wait_for(
-                lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 4, 120
+                lambda e: isinstance(e, ev.PhaseChanged) and e.phase == "averaging",
+                30,
+                after=len(sleeper.events),
             )
-        finally:
-            await sleeper.stop()
-            for v in others:
-                v.stop()
-            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            os.kill(sleeper.proc.pid, signal.SIGSTOP)
+            frozen_at = time.time()
+            await asyncio.sleep(1.5)
+            if cuts.decided["cut"]:
+                break
+            os.kill(sleeper.proc.pid, signal.SIGCONT)
+        else:
+            pytest.fail("the volunteer was never stopped inside a round")
+        await asyncio.sleep(FROZEN_IN_ROUND_S - (time.time() - frozen_at))
+        woke_at = time.time()
+        os.kill(sleeper.proc.pid, signal.SIGCONT)
+        await sleeper.wait_for(lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 4, 120)
 
-    for events in seen:  # no step of the others waited out the freeze (nor the round's 10 s deadline)
+    for events in s.seen:  # no step of the others waited out the freeze (nor the round's 10 s deadline)
         done = [e for e in events if isinstance(e, ev.StepDone)]
         during = [(b.step, b.t - a.t) for a, b in itertools.pairwise(done) if frozen_at <= b.t <= woke_at + 2]
         assert len(during) >= 2 and max(s for _, s in during) < FROZEN_IN_ROUND_S / 2, during
@@ -226,10 +216,4 @@ async def test_a_volunteer_frozen_inside_its_round_is_cut_by_the_group_and_no_on
         e.message for e in sleeper.of(ev.LogLine) if "the group cut it" in e.message and e.t >= woke_at - 1
     ]
     assert left_out, sleeper.tail()
-    kept = load_snapshot(tmp_path / "sleeper" / "crowdtrain-kept" / f"{run.spec.run_id}.safetensors")
-    theirs = recs[0].params.get(kept.step)
-    assert theirs is not None, (kept.step, sorted(recs[0].params)[-3:])
-    model = get_recipe(run.spec.model.recipe).build(dict(run.spec.model.args))
-    model.load_state_dict(kept.model_state)
-    flat = np.concatenate([p.detach().numpy().reshape(-1) for _, p in sorted(model.named_parameters())])
-    np.testing.assert_array_equal(flat, theirs)
+    assert_it_kept_their_parameters(tmp_path, s)

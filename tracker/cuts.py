@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment
 
 log = logging.getLogger("crowdtrain.tracker")
@@ -52,7 +53,7 @@ class _Case:
     decided: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class CutRefused(Exception):
+class CutRefused(CrowdtrainError):
     """A call this run will not take (a sentence for a 4xx answer)."""
 
 

@@ -172,24 +172,15 @@ class Cutter:
         known: bool,
     ) -> bool:
         """Vote on ``owner`` if it does not answer a ping within ``quiet`` (``known``: it was cut from this
-        round already, under another tag: no ping); False if it answered (it waits for someone else)."""
+        round already, under another tag: no ping); False if it answered (it waits for someone else). Cut:
+        its part is failed here (it keeps what ``rnd.output`` holds there: this peer's own values from
+        ``vector``, unless the output is the vector itself) and my own part stops waiting for its copy."""
         if not known and await self.awake(owner, quiet):
             return False
         if exchange.done() or owner.part in rnd.begun:
             return True
-        await self._vote(rnd, owner, exchange, failed, vector)
-        return True
-
-    async def _vote(
-        self,
-        rnd: Round,
-        owner: GroupMember,
-        exchange: asyncio.Task[None],
-        failed: dict[int, str],
-        vector: np.ndarray,
-    ) -> None:
         if await self.referee(rnd.assignment, rnd.tag, owner.peer_id) != "cut":
-            return
+            return True
         self._cut(rnd, owner.peer_id)
         if owner.part not in rnd.begun:  # nothing of its answer is being written into the output
             exchange.cancel()
@@ -203,3 +194,4 @@ class Cutter:
         )
         if rnd.reducer is not None:
             rnd.reducer.gone(owner.peer_id)  # (my part does not wait for its copy either)
+        return True
