@@ -436,6 +436,12 @@ class GroupAssignment(Message, frozen=True, kw_only=True):
     part_weights: Annotated[list[Annotated[int, Meta(ge=1, le=1 << 20)]], Meta(max_length=256)] = []
 
 
+def round_tag(kind: str, phase: int) -> str:
+    """The tag a step's round of ``kind`` (``grad`` or ``params``) runs under in ``phase``: ``grad``,
+    ``grad-p1``, ... (its key on the peers is ``{round_id}/{tag}``; a cut call names one of them)."""
+    return kind if phase == 0 else f"{kind}-p{phase}"
+
+
 class ReadyReply(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     status: Literal["group", "wait", "missed", "open"]

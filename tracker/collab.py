@@ -644,8 +644,7 @@ def cut_asleep(run: RunState, owner: str, step: int) -> None:
     it is allotted anew) instead of once it has been silent or late long enough."""
     if run.closed_at is not None or run.global_step != step + 1 or run.peer(owner) is None:
         return
-    free = run.ledger.offered
-    owed = run.ledger.revoke(owner)
+    owed = _free_share(run, owner)
     if owed:
         log.info(
             "run %s: peer %s was cut from its round of step %d (asleep): its %d samples of step %d are freed",
@@ -655,8 +654,16 @@ def cut_asleep(run: RunState, owner: str, step: int) -> None:
             owed,
             run.global_step,
         )
-        run.freed_now(free)
         run.maybe_close(time.time())
+
+
+def _free_share(run: RunState, peer_id: str) -> int:
+    """Revoke what ``peer_id`` owes of the open step and tell the step watches it is free; returns it."""
+    free = run.ledger.offered
+    owed = run.ledger.revoke(peer_id)
+    if owed:
+        run.freed_now(free)
+    return owed
 
 
 def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
@@ -679,8 +686,7 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
     revoked = []
     for peer in suspects:
-        free = run.ledger.offered
-        owed = run.ledger.revoke(peer.peer_id)
+        owed = _free_share(run, peer.peer_id)
         if owed:
             revoked.append(peer.peer_id)
             log.info(
@@ -692,7 +698,6 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
                 owed,
                 run.global_step,
             )
-            run.freed_now(free)
     if revoked:
         run.maybe_close(time.time())
     return revoked

@@ -6,8 +6,8 @@ is the reduced part every member applies. A member can decide alone to stop wait
 part's answer is the same for all), but not to stop waiting for an *answer*: if one member gave up on the
 owner while another took its answer, they would apply different means. So the members ask the tracker:
 
-* **A vote**: a member whose round has been quiet for a while (``volunteer/averaging/allreduce.py``) and
-  whose answer from ``owner`` has not begun votes to cut it. When *every* other member of the round voted
+* **A vote**: a member whose round has been quiet for a while, whose answer from ``owner`` has not begun
+  and whose ping of ``owner`` went unanswered votes to cut it (``volunteer/averaging/cutting.py``). When *every* other member of the round voted
   before the owner claimed, the part is ``cut``: every member zeroes that part of its mean (a failed part,
   alike for all) and stops waiting for the owner's copies of its own parts.
 * **A claim**: every part owner, once its answer went out, asks before it applies the round. The first
@@ -19,8 +19,8 @@ A vote waits for the decision (until the round's deadline, when an undecided par
 then do what they did before cuts existed, wait for the answer until the deadline). A member that is
 itself asleep cannot vote, so with two members asleep neither is cut (the round waits, as before).
 
-Pure bookkeeping with one clock read per call (the round's deadline is the tracker's own clock, which
-signed it): the route (:mod:`crowdtrain.tracker.volunteers`) checks the caller and the signed assignment.
+Pure bookkeeping, told the time by its caller (the tracker's clock, the one the round's deadline was
+signed with): the route (:mod:`crowdtrain.tracker.volunteers`) checks the caller and the signed assignment.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Cuts:
         """``on_cut(owner, step)``: called once per cut, with the step of the round it was cut from."""
         self.on_cut = on_cut
         self._cases: dict[tuple[str, str, str], _Case] = {}
-        self.decided = {"cut": 0, "kept": 0}  # counts, for the log and metrics
+        self.decided = {"cut": 0, "kept": 0}  # how many cases ended each way
 
     def __len__(self) -> int:
         return len(self._cases)

@@ -28,6 +28,7 @@ from crowdtrain.protocol.messages import (
     SpotCheckVerdict,
     StateDeclare,
     decode,
+    round_tag,
 )
 from crowdtrain.tracker.collab import Peer, RunState, eval_refusal
 from crowdtrain.tracker.cuts import CutRefused
@@ -230,11 +231,9 @@ class Volunteers:
             raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
         if owner is None or owner.part < 0:
             raise ApiError(400, f"peer {msg.owner} owns no part of round {a.round_id}")
-        suffix = f"-p{a.phase}" if a.phase else ""  # (the tags a round of this phase runs under)
-        if msg.tag not in (f"grad{suffix}", f"params{suffix}"):
-            raise ApiError(
-                400, f"round {a.round_id} runs under grad{suffix} and params{suffix}, not {msg.tag}"
-            )
+        tags = (round_tag("grad", a.phase), round_tag("params", a.phase))  # (those of this round's phase)
+        if msg.tag not in tags:
+            raise ApiError(400, f"round {a.round_id} runs under {tags[0]} and {tags[1]}, not {msg.tag}")
         try:
             decision = await run.cuts.call(a, msg.tag, msg.peer_id, msg.owner, time.time())
         except CutRefused as exc:

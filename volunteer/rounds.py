@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from crowdtrain.protocol.errors import AveragingError
-from crowdtrain.protocol.messages import GroupAssignment, SpotCheck
+from crowdtrain.protocol.messages import GroupAssignment, SpotCheck, round_tag
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import part_bounds
 from crowdtrain.volunteer.joined import JoinedRun
@@ -167,7 +167,7 @@ class Rounds:
         if check is not None:
             # (checking takes a share's compute: the parameter round this peer joins late must not cut it)
             ahead = [
-                asyncio.create_task(self.run.averager.claim_ahead(a, _tag("params", a.phase)))
+                asyncio.create_task(self.run.averager.claim_ahead(a, round_tag("params", a.phase)))
                 for a in rnd.phases
                 if rnd.average_params
             ]
@@ -239,7 +239,7 @@ class Rounds:
                     buf = self._mean_bufs[i % 2] = np.empty_like(vector)
                 out = buf
             # a tag per phase: a lossy codec's error feedback stays within what each phase sends
-            phase_tag = _tag(tag, a.phase)
+            phase_tag = round_tag(tag, a.phase)
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
             if result.late:
                 # (the others averaged without my copy of those parts, or zeroed the part I own because the
@@ -271,8 +271,3 @@ class Rounds:
             run.note(logging.WARNING, "parameter averaging was partial; keeping local parameters")
             return None
         return values
-
-
-def _tag(tag: str, phase: int) -> str:
-    """The tag of a step's round in ``phase`` (grad, grad-p1, ...; params likewise)."""
-    return tag if phase == 0 else f"{tag}-p{phase}"
