@@ -75,7 +75,7 @@ async def acknowledged(
     while True:
         try:
             fcntl.ioctl(sock.fileno(), _OUTQ, buf)
-        except OSError:
+        except (OSError, ValueError):  # (ValueError: the socket was closed meanwhile, its fileno is -1)
             return False
         if int.from_bytes(buf, sys.byteorder) == 0:
             return True

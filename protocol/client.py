@@ -12,7 +12,7 @@ import hashlib
 import io
 from types import TracebackType
 from typing import Any, TypeVar
-from urllib.parse import quote_from_bytes, urlsplit
+from urllib.parse import quote, quote_from_bytes, urlsplit
 
 import aiohttp
 import msgspec
@@ -248,8 +248,11 @@ class TrackerClient:
         )
         return self._decode(data, StepWatch)
 
-    async def donors(self, run_id: str) -> DonorList:
-        return await self._get(f"{API}/runs/{run_id}/state/donors", DonorList)
+    async def donors(self, run_id: str, without: str | None = None) -> DonorList:
+        """The run's state donors; ``without``: a peer whose snapshots are not counted (the asking peer
+        itself, whose own state is not the run's)."""
+        query = "" if without is None else f"?without={quote(without, safe='')}"
+        return await self._get(f"{API}/runs/{run_id}/state/donors{query}", DonorList)
 
     async def join(self, run_id: str, request: JoinRequest) -> JoinResponse:
         _, data = await self._request("POST", f"{API}/runs/{run_id}/join", encode(request))

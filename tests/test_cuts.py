@@ -34,13 +34,21 @@ from tests.sim import SimVolunteer, make_run_create
 # ---------------------------------------------------------------- the rules
 
 
-def _assignment(members: list[str], *, deadline: float, round_id: str = "r1") -> GroupAssignment:
+def _assignment(
+    members: list[str], *, deadline: float, round_id: str = "r1", weights: list[int] | None = None
+) -> GroupAssignment:
     return GroupAssignment(
         run_id="run",
         round_id=round_id,
         step=5,
         members=[
-            GroupMember(peer_id=m, address=f"127.0.0.1:{i + 1}", public_key="", weight=1, part=i)
+            GroupMember(
+                peer_id=m,
+                address=f"127.0.0.1:{i + 1}",
+                public_key="",
+                weight=1 if not weights else weights[i],
+                part=i,
+            )
             for i, m in enumerate(members)
         ],
         parts=len(members),
@@ -80,6 +88,35 @@ async def test_an_undecided_vote_is_kept_at_the_deadline_and_late_calls_decide_n
     # a claim so late that its case would be forgotten: every member gave up on that answer long ago
     assert await cuts.call(late, "grad", "s", "s", now + FORGET_AFTER_S + 5) == "cut"
     assert len(cuts) == 1
+
+
+async def test_a_member_that_voted_is_awake_and_never_cut_from_that_round_so_someone_always_applies_it():
+    cut: list[tuple[str, int]] = []
+    cuts = Cuts(lambda owner, step: cut.append((owner, step)))
+    now = time.time()
+    # two members each waiting on the other (both slow, each ping lost): the first vote cuts, the second is moot
+    pair = _assignment(["a", "b"], deadline=now + 30)
+    assert await cuts.call(pair, "grad", "a", "b", now) == "cut"
+    assert await cuts.call(pair, "grad", "b", "a", now) == "kept"  # a voted: awake
+    assert await cuts.call(pair, "grad", "a", "a", now) == "kept"  # a applies the round, b replays from it
+    assert await cuts.call(pair, "grad", "b", "b", now) == "cut"
+    # a vote keeps an open case on the voter: its waiting voters hear "kept" at once
+    trio = _assignment(["a", "b", "c"], deadline=now + 30, round_id="r2")
+    on_c = asyncio.create_task(cuts.call(trio, "grad", "a", "c", now))
+    await asyncio.sleep(0.05)
+    assert await cuts.call(trio, "grad", "c", "b", now) == "kept"  # (b: only c voted on it)
+    assert await asyncio.wait_for(on_c, 1) == "kept"
+    # once cut, every other member voted: the round has no second cut, not even on the sleeper's vote
+    votes = [asyncio.create_task(cuts.call(trio, "params", m, "c", now)) for m in ("a", "b")]
+    assert await asyncio.wait_for(asyncio.gather(*votes), 1) == ["cut", "cut"]
+    assert await cuts.call(trio, "params", "c", "a", now) == "kept"
+    assert await cuts.call(trio, "params", "c", "b", now) == "kept"
+    assert cut == [("b", 5), ("c", 5)]
+    # members catching up (weight 0) do not cut the one that trains: nobody would be left to fetch from
+    behind = _assignment(["a", "b", "s"], deadline=now + 30, round_id="r3", weights=[0, 0, 24])
+    votes = [asyncio.create_task(cuts.call(behind, "grad", m, "s", now)) for m in ("a", "b")]
+    assert await asyncio.wait_for(asyncio.gather(*votes), 1) == ["kept", "kept"]
+    assert cut == [("b", 5), ("c", 5)]
 
 
 # ---------------------------------------------------------------- real averagers, a real tracker

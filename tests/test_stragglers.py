@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 
 from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.averaging import cutting
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.joined import Summary
 from crowdtrain.volunteer.models import get_recipe
 from crowdtrain.volunteer.state.snapshot import load_snapshot
 from tests.faults import VolunteerProcess
-from tests.harness import Published, Recorder, published_run, volunteers
+from tests.harness import Published, Recorder, published_run, until, volunteers
 
 FREEZE_S = 20.0
 STEPS_AFTER_WAKE = 8
@@ -217,3 +218,28 @@ async def test_a_volunteer_frozen_inside_its_round_is_cut_by_the_group_and_no_on
     ]
     assert left_out, sleeper.tail()
     assert_it_kept_their_parameters(tmp_path, s)
+
+
+async def test_two_volunteers_that_cut_each_other_wrongly_every_round_still_train(tmp_path, monkeypatch):
+    """Both members of a two-volunteer run slow at once (a loaded machine: each misses the other's ping) vote
+    on each other. Before the tracker kept a voter from being cut, both were cut, both fell behind, and
+    neither could fetch a state only the other held: the run stood still (a CI run: 0 steps in 150 s). With
+    quiet times of a millisecond, nearly every round here cuts someone: the one that voted first applies
+    the round, the other rejoins from it (the tracker lists its state to the one behind), and both go on."""
+    monkeypatch.setattr(cutting, "QUIET_FLOOR_S", 0.001)
+    monkeypatch.setattr(cutting, "QUIET_FACTOR", 0.2)
+    async with published_run(tmp_path, averaging={"gather_s": 1.0}) as run:
+        vols = volunteers(run, tmp_path, 2)
+        tasks = [asyncio.create_task(v.run()) for v in vols]
+        cuts = run.tracker.runs.get(run.spec.run_id).state.cuts
+        await until(lambda: cuts.decided["cut"] >= 3, 60, "three cuts")
+        after = [v.summary.steps_done for v in vols]
+        await until(
+            lambda: all(v.summary.steps_done >= n + 5 for v, n in zip(vols, after, strict=True)),
+            120,
+            "5 steps each",
+        )
+        for v in vols:
+            v.stop()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert any(v.summary.caught_up_to is not None for v in vols)  # (a cut one rejoined from the other)

@@ -440,8 +440,21 @@ async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(adm
         donors = await admin.donors(run_id)
         assert (donors.state.step, donors.state.content_hash) == (2, "bb" * 32)
         assert sorted(d.peer_id for d in donors.donors) == sorted([vb.peer_id, vc.peer_id])
-        # with one peer serving state, its own is listed (there is nobody to agree with)
+        # a peer that fell behind asks without its own snapshots: b and c still agree on step 2 without a
+        donors = await admin.donors(run_id, without=va.peer_id)
+        assert (donors.state.step, donors.serving) == (2, 2) and vb.peer_id in {
+            d.peer_id for d in donors.donors
+        }
+        with pytest.raises(TrackerError, match=r"without= names one peer id \(1 to 64 characters\)"):
+            await admin.donors(run_id, without="x" * 65)
+        # two peers, one fell behind: they agree on no state, but the one behind asks without its own
         await va.leave()
+        await vb.declare_state(2, "bb" * 32, 11)
+        await vc.declare_state(1, "aa" * 32, 10)
+        assert (await admin.donors(run_id)).state is None
+        donors = await admin.donors(run_id, without=vc.peer_id)
+        assert donors.state.step == 2 and [d.peer_id for d in donors.donors] == [vb.peer_id]
+        # with one peer serving state, its own is listed (there is nobody to agree with)
         await vc.leave()
         donors = await admin.donors(run_id)
         assert donors.state.step == 2 and [d.peer_id for d in donors.donors] == [vb.peer_id]

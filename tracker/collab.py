@@ -540,8 +540,10 @@ class RunState:
         self.state_donors.declare(peer.peer_id, peer.offer, versions, self.global_step)
         peer.last_seen = time.monotonic()
 
-    def donors(self, limit: int = 64) -> DonorList:
-        return self.state_donors.listing(self.peers.values(), self.global_step, limit)
+    def donors(self, limit: int = 64, without: str | None = None) -> DonorList:
+        """The state's donors (:meth:`StateDonors.listing`), not counting peer ``without``."""
+        peers = (p for p in self.peers.values() if p.peer_id != without)
+        return self.state_donors.listing(peers, self.global_step, limit)
 
     def state_notice(self) -> str | None:
         return self.state_donors.notice(self.peers.values(), self.global_step)

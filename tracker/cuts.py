@@ -15,6 +15,11 @@ owner while another took its answer, they would apply different means. So the me
   it was asleep, it applies nothing of the round and rejoins by replaying the others' average.
 
 A member that took the owner's answer does not vote, so a cut never meets a member holding the answer.
+A member that voted in a round was awake then: it is not cut from that round (and tag). So a cut leaves its
+voters, every other member, to apply the round, and a round has at most one cut: two members that each
+waited on the other (both slow, or their pings lost) never cut each other and leave nobody to replay from.
+Nor is an owner cut when every other member is catching up (weight 0): the round would hold no gradient,
+and those members would have nobody left whose state to fetch.
 A vote waits for the decision (until the round's deadline, when an undecided part is ``kept``: members
 then do what they did before cuts existed, wait for the answer until the deadline). A member that is
 itself asleep cannot vote, so with two members asleep neither is cut (the round waits, as before).
@@ -46,6 +51,7 @@ MAX_CASES = 200_000  # open cases across a run (each from a member of a round th
 @dataclass(slots=True)
 class _Case:
     needed: frozenset[str]  # every member but the owner
+    others_train: bool  # some member but the owner has weight (is not catching up)
     deadline: float
     step: int
     votes: set[str] = field(default_factory=set)
@@ -64,6 +70,8 @@ class Cuts:
         """``on_cut(owner, step)``: called once per cut, with the step of the round it was cut from."""
         self.on_cut = on_cut
         self._cases: dict[tuple[str, str, str], _Case] = {}
+        # (round id, tag) -> (deadline, the members that voted in it: awake, never cut from it)
+        self._voters: dict[tuple[str, str], tuple[float, set[str]]] = {}
         self.decided = {"cut": 0, "kept": 0}  # how many cases ended each way
 
     def __len__(self) -> int:
@@ -73,8 +81,13 @@ class Cuts:
         self._forget(now)
         if len(self._cases) >= MAX_CASES:
             raise CutRefused("the tracker holds too many open cuts; wait for the round's deadline")
-        needed = frozenset(m.peer_id for m in a.members) - {owner}
-        case = self._cases[key] = _Case(needed=needed, deadline=a.deadline, step=a.step)
+        others = [m for m in a.members if m.peer_id != owner]
+        case = self._cases[key] = _Case(
+            needed=frozenset(m.peer_id for m in others),
+            others_train=any(m.weight > 0 for m in others),
+            deadline=a.deadline,
+            step=a.step,
+        )
         return case
 
     def _forget(self, now: float) -> None:
@@ -82,8 +95,13 @@ class Cuts:
         while self._cases:
             key, case = next(iter(self._cases.items()))
             if case.deadline + FORGET_AFTER_S >= now:
-                return
+                break
             del self._cases[key]
+        while self._voters:
+            key2, (deadline, _) = next(iter(self._voters.items()))
+            if deadline + FORGET_AFTER_S >= now:
+                return
+            del self._voters[key2]
 
     async def call(self, a: GroupAssignment, tag: str, caller: str, owner: str, now: float) -> Decision:
         """A vote (``caller`` ≠ ``owner``: waits for the decision, at most until the round's deadline) or the
@@ -103,10 +121,16 @@ class Cuts:
             case = self._open(key, a, owner, now)
         if caller == owner:
             return self._decide(case, "kept", key)
+        voters = self._voters.setdefault((a.round_id, tag), (a.deadline, set()))[1]
+        voters.add(caller)  # awake: a case on the caller is kept, as by its claim
+        if (on_caller := self._cases.get((a.round_id, tag, caller))) is not None:
+            self._decide(on_caller, "kept", (a.round_id, tag, caller))
+        if owner in voters:
+            self._decide(case, "kept", key)
         if case.decision is None:
             case.votes.add(caller)
             if case.votes >= case.needed:
-                return self._decide(case, "cut", key)
+                return self._decide(case, "cut" if case.others_train else "kept", key)
             try:
                 async with asyncio.timeout(max(0.0, case.deadline - now)):
                     await case.decided.wait()

@@ -241,7 +241,12 @@ class Volunteers:
         return json_reply(CutVerdict(decision=decision))
 
     async def donors(self, request: web.Request) -> web.Response:
-        return json_reply(self.tracker.run_of(request).state.donors())
+        """The state donors; ``?without=PEER``: that peer's snapshots are not counted (a peer catching up
+        asks without its own: with one other peer serving, that one is then the run's only donor)."""
+        without = request.query.get("without")
+        if without is not None and not 0 < len(without) <= 64:
+            raise ApiError(400, "without= names one peer id (1 to 64 characters)")
+        return json_reply(self.tracker.run_of(request).state.donors(without=without))
 
     async def watch_step(self, request: web.Request) -> web.Response:
         """A long-poll: answers once step ``step`` closed or the run passed it (or after ``wait_s``)."""

@@ -144,6 +144,10 @@ class CatchUp:
         return self._pending is not None and self._pending.done()
 
     def start(self, after_s: float = 0.0) -> None:
+        old = self._pending
+        if old is not None and old.done() and not old.cancelled() and (exc := old.exception()) is not None:
+            # (a fetch that failed before this peer switched: replaced, its error said)
+            self.run.note(logging.INFO, "the state fetch failed (%s); fetching again", exc)
         if self._pending is None or self._pending.done():
             self.run.phase("waiting-for-state" if self.waiting is not None else "catching-up")
             # averages are kept for the replay from the round of this step on (or from the earliest kept)
@@ -178,7 +182,8 @@ class CatchUp:
         larger the state, the fewer), so a newcomer usually waits for the next one."""
         run, said = self.run, False
         while True:
-            donors = await run.tracker.donors(run.config.run_id)
+            # (not counting its own snapshots: they are not the run's state, as it fell behind)
+            donors = await run.tracker.donors(run.config.run_id, without=run.peer_id)
             if donors.state is None or donors.state.step >= replay_from:
                 return donors
             if not said:

@@ -345,21 +345,27 @@ class Owner:
         await response.prepare(request)
         sent = 0
         try:
-            async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
-                while True:  # each sub-frame as soon as its slice is reduced
-                    while sent >= len(outcome.frames) and not red.complete.is_set():
-                        await red.more.wait()
-                    if sent >= len(outcome.frames):
-                        break
-                    header, body = outcome.frames[sent]
-                    rnd.stats.mark()
-                    await response.write(header)
-                    await response.write(body)
-                    rnd.stats.answered_bytes += len(header) + len(body)
-                    sent += 1
-        except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
-            log.warning("round %s: the answer for part %d did not finish in time", key, part)
-        await response.write_eof()
+            try:
+                async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
+                    while True:  # each sub-frame as soon as its slice is reduced
+                        while sent >= len(outcome.frames) and not red.complete.is_set():
+                            await red.more.wait()
+                        if sent >= len(outcome.frames):
+                            break
+                        header, body = outcome.frames[sent]
+                        rnd.stats.mark()
+                        await response.write(header)
+                        await response.write(body)
+                        rnd.stats.answered_bytes += len(header) + len(body)
+                        sent += 1
+            except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
+                log.warning("round %s: the answer for part %d did not finish in time", key, part)
+            await response.write_eof()
+        except (
+            ConnectionResetError
+        ):  # the sender hung up: it gave up on this answer (it voted this owner out)
+            log.info("round %s: a sender of part %d hung up before its answer was sent", key, part)
+            return response
         if sent == len(outcome.frames):
             await self._measure_upload(rnd, request.transport, len(outcome.accepted) - 1)
         return response
