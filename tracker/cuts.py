@@ -34,7 +34,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment
@@ -42,6 +42,8 @@ from crowdtrain.protocol.messages import GroupAssignment
 log = logging.getLogger("crowdtrain.tracker")
 
 Decision = Literal["cut", "kept"]
+K = TypeVar("K")
+V = TypeVar("V")
 # cases are forgotten this long after their round's deadline (a claim that late is "cut": by then every
 # member gave up on the part at its deadline, as they did before cuts)
 FORGET_AFTER_S = 60.0
@@ -91,17 +93,9 @@ class Cuts:
         return case
 
     def _forget(self, now: float) -> None:
-        """Forget the oldest cases past FORGET_AFTER_S (opened in about the order of their deadlines)."""
-        while self._cases:
-            key, case = next(iter(self._cases.items()))
-            if case.deadline + FORGET_AFTER_S >= now:
-                break
-            del self._cases[key]
-        while self._voters:
-            key2, (deadline, _) = next(iter(self._voters.items()))
-            if deadline + FORGET_AFTER_S >= now:
-                return
-            del self._voters[key2]
+        """Forget the oldest cases and voters past FORGET_AFTER_S (opened in about the order of their deadlines)."""
+        _forget_before(self._cases, lambda case: case.deadline, now - FORGET_AFTER_S)
+        _forget_before(self._voters, lambda voters: voters[0], now - FORGET_AFTER_S)
 
     async def call(self, a: GroupAssignment, tag: str, caller: str, owner: str, now: float) -> Decision:
         """A vote (``caller`` ≠ ``owner``: waits for the decision, at most until the round's deadline) or the
@@ -149,3 +143,12 @@ class Cuts:
                 log.info("round %s/%s: %s cut (every other member waited on its answer)", *key)
                 self.on_cut(key[2], case.step)
         return case.decision
+
+
+def _forget_before(entries: dict[K, V], deadline: Callable[[V], float], before: float) -> None:
+    """Drop the first ``entries`` whose deadline is before ``before`` (kept in about deadline order)."""
+    while entries:
+        key, value = next(iter(entries.items()))
+        if deadline(value) >= before:
+            return
+        del entries[key]

@@ -361,9 +361,8 @@ class Owner:
             except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
                 log.warning("round %s: the answer for part %d did not finish in time", key, part)
             await response.write_eof()
-        except (
-            ConnectionResetError
-        ):  # the sender hung up: it gave up on this answer (it voted this owner out)
+        # the sender hung up: it gave up on this answer (it voted this owner out)
+        except ConnectionResetError:
             log.info("round %s: a sender of part %d hung up before its answer was sent", key, part)
             return response
         if sent == len(outcome.frames):
