@@ -79,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--window", type=float, default=20.0, help="seconds of a turn (--paired)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the volunteers compute (cuda: one GPU shared)",
+    )
+    ap.add_argument(
         "--tracker-log", type=Path, help="a file: the tracker's debug log (closes, rounds, spares)"
     )
     ap.add_argument("--timeline", action="store_true", help="each stall: the phase it began in, what it cost")
@@ -91,7 +97,6 @@ def parse_args() -> argparse.Namespace:
     args.scenarios = args.scenarios.split(",")
     args.rules = args.rules.split(",")
     args.threads = 1
-    args.device = "cpu"
     args.steps = 1 << 20  # (they are stopped at the end of the window)
     return args
 
@@ -497,7 +502,7 @@ async def main() -> None:
         logging.getLogger("crowdtrain.tracker").addHandler(handler)
     print(
         f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 128 × 4, target {args.target}, "
-        f"micro {args.micro}; {args.seconds:.0f} s a run",
+        f"micro {args.micro}, device {args.device}; {args.seconds:.0f} s a run",
         flush=True,
     )
     rows = []

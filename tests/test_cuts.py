@@ -254,6 +254,82 @@ async def test_an_owner_asleep_in_the_round_is_cut_and_the_others_apply_one_mean
         await _stop(live)
 
 
+class _AsleepMidAnswer:
+    """A part owner that fell asleep halfway through its answer, as the network shows it: it read each member's
+    copy whole, sent the status line, the headers and the first bytes of its answer, and nothing since; a
+    ping (``GET /v1/awake``) gets no answer (a stopped process: the kernel takes the connection)."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.writers: list[asyncio.StreamWriter] = []
+        self.drains: list[asyncio.Task[bytes]] = []
+
+    async def serve(self) -> asyncio.Server:
+        return await asyncio.start_server(self._peer, "127.0.0.1", 0)
+
+    async def _peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)  # (kept open: never closed while "asleep")
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"POST /v1/allreduce/"):
+            return  # a ping: never answered
+        self.drains.append(asyncio.create_task(reader.read(-1)))  # (its copy: the kernel takes it all)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: 4096\r\n\r\n"
+        )
+        writer.write(b"\x00" * 4)  # (less than a frame header: the rest never comes)
+        await writer.drain()
+        self.answered += 1
+
+
+async def test_an_owner_asleep_halfway_through_its_answer_is_cut_like_one_asleep_before_it(
+    tracker, admin, run
+):
+    """Regression (issue 27, a heavy-tail bench run): an owner stopped after it began streaming its answer held
+    every member to the round's deadline, because a member with part of an answer never voted. Now a member
+    votes on any owner whose answer has not come whole once the round has been quiet and the owner answers
+    no ping: the group cuts it, each member drops what it had of that part (all alike), and nobody waits for
+    the deadline (60 s here)."""
+    live = await _members(tracker, admin, run, 3)
+    sleeper = SimVolunteer(admin, run)
+    await sleeper.join()
+    fake = _AsleepMidAnswer()
+    server = await fake.serve()
+    try:
+        await _warm_up(tracker, run, live)
+        members = [m.member(j, 10) for j, m in enumerate(live)]
+        port = server.sockets[0].getsockname()[1]
+        members.append(
+            GroupMember(
+                peer_id=sleeper.peer_id,
+                address=f"127.0.0.1:{port}",
+                public_key=sleeper.key.public_hex,
+                weight=10,
+                part=3,
+            )
+        )
+        a = _signed(tracker, run, "mid-answer", members)
+        vectors = [np.full(4000, float(j + 1), dtype=np.float32) for j in range(3)]
+        results = await asyncio.gather(
+            *(m.averager.allreduce(a, v.copy(), 10.0) for m, v in zip(live, vectors, strict=True))
+        )
+        assert fake.answered == 3  # every member had the first bytes of its answer
+        assert time.time() < a.deadline - 30  # (the cut, not the deadline, ended it)
+        lo = part_bounds(4000, 4)[3][0]
+        for r, v in zip(results, vectors, strict=True):
+            assert r.failed_parts == (3,) and "cut from the round" in r.reasons["part 3"], r.reasons
+            assert not r.late
+            np.testing.assert_allclose(r.values[:lo], 2.0)  # (1 + 2 + 3) / 3: without the sleeper's copies
+            np.testing.assert_array_equal(r.values[lo:], v[lo:])  # its part: each one's own (then zeroed)
+        assert tracker.runs.get(run).state.cuts.decided["cut"] == 1
+    finally:
+        for w in fake.writers:
+            w.close()
+        for t in fake.drains:
+            t.cancel()
+        server.close()
+        await _stop(live)
+
+
 class _Sleepy:
     """A real Averager in a process of its own (tests/sleepy_peer.py), to be stopped and woken."""
 

@@ -5,9 +5,12 @@ copies of their own parts. Each member decides alone to stop waiting for a copy,
 every member applies, so giving up on one must be one decision for the whole group
 (:mod:`crowdtrain.tracker.cuts`):
 
-* **Vote.** Once the round has been quiet (nothing arrived or went out completely) for ``quiet_s``, this
-  member asks every owner whose answer has not begun whether it is awake at all (``GET /v1/awake``, within
-  ``quiet_s``: an owner waiting for another member's copy answers) and votes to cut those that do not.
+* **Vote.** Once the round has been quiet (nothing arrived or went out completely: no copy sent, no
+  sub-frame of an answer come) for ``quiet_s``, this member asks every owner whose answer has not come
+  whole whether it is awake at all (``GET /v1/awake``, within ``quiet_s``: an owner waiting for another
+  member's copy answers, and so does one streaming its answer up a slow line) and votes to cut those that
+  do not. An owner asleep halfway through its answer is cut like one asleep before it: a member that has
+  its whole answer votes on nobody, so the group cuts it only where nobody has its whole answer.
   The tracker cuts an owner when every other member voted before it claimed. Cut: this member stops
   waiting for its answer (that part is failed, zeroed alike by every member) and for its copy of this
   member's own part; the owner's later copies are refused (410).
@@ -129,8 +132,8 @@ class Cutter:
         failed: dict[int, str],
         vector: np.ndarray,
     ) -> None:
-        """Vote on the owners whose answer has not begun once the round has been quiet for ``quiet_s``; wait
-        for the votes' decisions (a cut owner's part is failed: it keeps what ``rnd.output`` holds there,
+        """Vote on the owners whose answer has not come whole once the round has been quiet for ``quiet_s``;
+        wait for the votes' decisions (a cut owner's part is failed: it keeps what ``rnd.output`` holds there,
         this peer's own values from ``vector`` unless the output is the vector itself)."""
         quiet = self.quiet_s
         if quiet is None:
@@ -143,7 +146,7 @@ class Cutter:
                 left = rnd.moved_at + quiet - time.monotonic()
                 for j, t in exchanges.items():
                     ask = asks.get(j)
-                    if t.done() or j in rnd.begun or (ask is not None and (not ask.done() or ask.result())):
+                    if t.done() or (ask is not None and (not ask.done() or ask.result())):
                         continue
                     if left <= 0 or owners[j].peer_id in cut_before:
                         known = owners[j].peer_id in cut_before
@@ -177,13 +180,14 @@ class Cutter:
         ``vector``, unless the output is the vector itself) and my own part stops waiting for its copy."""
         if not known and await self.awake(owner, quiet):
             return False
-        if exchange.done() or owner.part in rnd.begun:
+        if exchange.done():  # (its whole answer came meanwhile: it is no longer asleep to me)
             return True
         if await self.referee(rnd.assignment, rnd.tag, owner.peer_id) != "cut":
             return True
         self._cut(rnd, owner.peer_id)
-        if owner.part not in rnd.begun:  # nothing of its answer is being written into the output
-            exchange.cancel()
+        # (a sub-frame being decoded into the output is finished first: read_part never leaves a thread
+        # writing there)
+        exchange.cancel()
         await asyncio.wait([exchange])
         start, stop = rnd.bounds[owner.part]
         if rnd.output is not None and not rnd.in_place:

@@ -90,14 +90,14 @@ class Round:
     in_place: bool = False  # ``output`` is this peer's vector itself
     stats: Stats = field(default_factory=Stats)
     late: bool = False  # an owner refused my copy with 410 (its part or the round had closed), or I was cut
-    # cutting a member asleep in the round (tracker/cuts.py): the parts whose answer began (or whose exchange
-    # ended), when the round last moved (monotonic), and the owners the group cut
-    begun: set[int] = field(default_factory=set)
+    # cutting a member asleep in the round (tracker/cuts.py): when the round last moved (monotonic), and the
+    # owners the group cut
     moved_at: float = field(default_factory=time.monotonic)
     cut: set[str] = field(default_factory=set)
 
     def moved(self) -> None:
-        """Something of the round arrived or went out completely now (an answer began, a copy came)."""
+        """Something of the round arrived or went out completely now (an answer began, a sub-frame of one
+        came, a copy went out)."""
         self.moved_at = time.monotonic()
 
 

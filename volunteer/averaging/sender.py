@@ -96,7 +96,6 @@ class Sender:
         elif send:
             data = self._coded(rnd, vector, start, stop, residual)
         why = await self._post(rnd, owner, headers, data, output)
-        rnd.begun.add(owner.part)
         rnd.moved()
         if why is not None:
             self._part_failed(rnd, owner, why, vector, output, failed)
@@ -165,20 +164,22 @@ class Sender:
         """POST the copy to the part's owner and decode its answer into ``output``: why that failed, or None."""
         cfg, j = self.config, owner.part
         start, stop = rnd.bounds[j]
+
+        def into(a: int, b: int) -> np.ndarray:
+            rnd.moved()  # (a sub-frame of the answer arrives: an answer coming up a slow line is no quiet)
+            return output[start + a : start + b]
+
         url = f"http://{owner.address}/v1/allreduce/{rnd.key}/{j}"
         remaining = rnd.deadline + cfg.grace_s - time.time()
         timeout = aiohttp.ClientTimeout(total=max(0.05, remaining), sock_connect=cfg.connect_timeout_s)
         try:
             async with self._session_for().post(url, data=data, headers=headers, timeout=timeout) as resp:
-                rnd.begun.add(j)  # (the owner answers once its part closed: it is awake)
-                rnd.moved()
+                rnd.moved()  # (the owner answers once its part closed: it was awake)
                 if resp.status != 200:
                     rnd.late |= resp.status == 410  # its part or round had closed: I was too late for it
                     return f"HTTP {resp.status}: {await self._error_text(resp)}"
                 t = time.perf_counter()
-                _, nbytes = await read_part(
-                    resp.content, self._coder, stop - start, lambda a, b: output[start + a : start + b]
-                )
+                _, nbytes = await read_part(resp.content, self._coder, stop - start, into)
                 rnd.stats.decode_s += time.perf_counter() - t
                 rnd.stats.bytes_received += nbytes
         except ProtocolError as exc:
