@@ -472,6 +472,37 @@ def test_a_peer_still_in_its_round_is_not_covered_until_it_says_it_began_its_ste
     assert_tally_is_the_sum(book)
 
 
+def test_the_rest_of_a_peer_that_began_late_is_shared_so_everyone_finishes_together():
+    """Backup workers (issue 27): b began the step 3 s late (it recomputed another's gradient for a spot-check,
+    or came back from a catch-up) and reported 0 at t=3: on time, but due at 7, while a and c were done at 4
+    (a step of 4 s) and would idle 3 s. Once a has waited 15 % of its step (t=4.6), b's rest (40, less the 16
+    it computed since t=3 at 10 samples/s) is shared by rate: 8 each for a and c, and b is trimmed to the 24
+    it has by then, so all three finish at 5.4 and the allotments sum to the target. One due soon (within a
+    quarter of the others' step) keeps its share."""
+    book = spared()
+    beat(book, "b", 0, 10.0, now=3.0)
+    for name in ("a", "c"):
+        assert beat(book, name, 40, 10.0, now=4.0).done_at == 4.0
+    assert book.open_spares(4.55) == 0  # a has not waited 15 % of its step
+    assert book.open_spares(4.61) == 16  # moved at once (not offered): each hears it at its report
+    assert [book.share(n).allotted for n in ("a", "b", "c")] == [48, 24, 48]
+    assert book.spares.covered == set()  # b, on time: trimmed, not cut to what it holds
+    assert book.tally.reserved == book.target
+    assert book.offered == 16  # (what a and c were given, announced on the step watch until they report)
+    assert beat(book, "b", 16, 10.0, now=4.65).allotted == 24
+    assert [beat(book, n, 40, 10.0, now=4.7).allotted for n in ("a", "c")] == [48, 48]
+    assert book.offered == 0
+    assert beat(book, "b", 24, 10.0, now=5.4).done_at == 5.4
+    assert beat(book, "b", 24, 10.0, now=5.5).allotted == 24  # (its trim stands once reached)
+    assert_tally_is_the_sum(book)
+
+    soon = spared()
+    beat(soon, "b", 30, 10.0, now=4.0)  # its rest of 10 is due at 5.0: 0.4 s after 4.61, under 1 s
+    for name in ("a", "c"):
+        beat(soon, name, 40, 10.0, now=4.0)
+    assert soon.open_spares(4.61) == 0 and soon.share("b").allotted == 40
+
+
 def test_no_spares_with_delay_1_or_local_steps_or_without_a_peer_done():
     book = spared()
     assert book.open_spares(100.0) == 0  # nobody is done: nobody to give them to

@@ -12,12 +12,23 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   least. The peers behind are covered (one that reports is cut to what it holds), except one that has not
   reported at the step since its round moved it there: it may still be in its round (held by a member
   asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close.
+* **Shared rest** (:meth:`Spares.open`, :meth:`Spares._share_rest`). A peer that owes samples may be on
+  time and still far from done: it began the step late (back from a catch-up, or after recomputing a
+  member's gradient for a spot-check). Once the first peer done has waited as above, every peer that owes
+  samples is on time and has reported at its step, and the last one is due more than STEAL_FRACTION of the
+  done peers' step ahead (STEAL_MIN_S at least), their rest (less what each computed since its last report
+  at its rate, and less the micro-batch each may have in flight) is moved at once to the peers done with
+  room for a micro-batch, in whole micro-batches by rate, fastest first, so that all finish together; the
+  owing peers are trimmed by what the helpers got, in proportion. Each hears its new allotment at its
+  report (what was moved is announced on the step watches, so at once). Nothing computed is dropped: every
+  sample computed before the close enters the round.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,6 +44,10 @@ LATE_GRACE_S = 0.5
 SPARE_WAIT_S = 0.1
 SPARE_FRACTION = 0.15
 SPARE_MARGIN_S = 0.15
+# Shared rest (the rule above): the peers done would wait more than STEAL_FRACTION of their step (at least
+# STEAL_MIN_S) for the last peer on time.
+STEAL_FRACTION = 0.25
+STEAL_MIN_S = 0.25
 
 
 def late(at_step: list[Share], now: float) -> list[str]:
@@ -59,12 +74,14 @@ def late(at_step: list[Share], now: float) -> list[str]:
 class Spares:
     """The spares of the open step (the rule above; :meth:`~crowdtrain.tracker.ledger.Ledger.open_spares`)."""
 
-    __slots__ = ("covered", "given", "last", "offered")
+    __slots__ = ("covered", "given", "last", "moved", "offered", "trimmed")
 
     def __init__(self) -> None:
         self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
         self.given: set[str] = set()  # the peers allotted a spare
         self.covered: set[str] = set()  # the peers whose rest they cover, silent since
+        self.trimmed: dict[str, int] = {}  # peers on time whose rest was shared: the allotment they keep
+        self.moved: dict[str, int] = {}  # the peers done given part of that rest, not told yet: how much
         self.last = -math.inf  # when they last opened
 
     def open(
@@ -72,8 +89,9 @@ class Spares:
     ) -> int:
         """Open them if the rule says so, from the shares of the peers at the open step and the samples the
         step still lacks; returns the samples offered (0: none). Only once every peer that owes samples is
-        behind (one on time keeps its share); again once those given spares are behind too (one fell asleep
-        computing them), and then not to a peer that left its last offer untaken. They go to the peers that
+        behind, or the last on time is due far enough ahead (the shared rest: those on time are trimmed);
+        again once those given spares are behind too (one fell asleep computing them), and then not to a
+        peer that left its last offer untaken. They go to the peers that
         compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
         catch-up), by rate, each within its room (``room``: the share cap) and at least a micro-batch
         (``micro``) where its room allows, so a spare is never a sliver of a micro-batch."""
@@ -95,29 +113,22 @@ class Spares:
         took = min((s.done_at - s.step_since for s in done), default=0.0)
         if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
             return 0
-        behind, unbegun = set(), False
-        for s in at_step:
-            owed = s.allotted - s.samples
-            if not s.computing or owed <= 0:
-                continue
-            if s.samples_per_s <= 0:
-                return 0  # (its time is unknown: it is not behind)
-            rest = owed / s.samples_per_s
-            due = max(s.counted_at, s.step_since) + rest
-            if now < due + max(SPARE_MARGIN_S, SPARE_FRACTION * rest):
-                return 0  # one on time: no spares (they would cut its share, and idle the others no less)
-            if s.begun:
-                behind.add(s.peer_id)
-            else:
-                # past its time, but it has not said it began the step: it may be asleep, or still in its
-                # round (sending answers up a home line). Its rest is offered, but it is not covered: it
-                # keeps its share, and is waited for at the close like anyone
-                unbegun = True
-        if not behind and not unbegun:
+        found = _owing(at_step, now)
+        if found is None:
             return 0
+        owing, on_time, behind = found
         rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
         mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)
         rates = {s.peer_id: s.samples_per_s if s.samples_per_s > 0 else mean for s in idle}
+        if on_time:
+            # the shared rest, if every peer owing samples is on time and the last one keeps the peers done
+            # waiting long enough (those with room for a micro-batch): :meth:`settle` moves the samples
+            helping = [s for s in idle if room(s) - s.samples >= micro]
+            ahead = max(_due(s) for s in on_time) - now
+            if not behind and helping and ahead > max(STEAL_MIN_S, STEAL_FRACTION * took):
+                self._share_rest(owing, helping, rates, now, micro, lambda s: room(s) - s.samples)
+                self.last = now
+            return 0  # (else no spares: they would cut its share, and idle the others no less)
         total = sum(rates.values())
         self.last = now
         self.covered |= behind
@@ -128,9 +139,98 @@ class Spares:
             self.offered[s.peer_id] = min(fair, room(s) - s.samples)
         return sum(self.offered.values())
 
+    def _share_rest(
+        self,
+        owing: list[Share],
+        helping: list[Share],
+        rates: dict[str, float],
+        now: float,
+        micro: int,
+        space: Callable[[Share], int],
+    ) -> None:
+        """The shared rest: what the peers owing samples (all on time) still have to compute, less what they
+        computed since their last report at their rate, is computed by them and the peers done with the step
+        (``helping``, at ``rates``) together: each helper gets its part by rate in whole micro-batches
+        (``micro``; within its room, ``space``), each owing peer is trimmed by what the helpers got, in
+        proportion to what it could give: its rest less the micro-batch it may have in flight (a trim
+        smaller than a micro-batch would only make it compute past its allotment)."""
+        left, spare = {}, {}
+        for s in owing:
+            since = max(0.0, now - max(s.counted_at, s.step_since))
+            left[s.peer_id] = max(0, s.allotted - s.samples - math.floor(s.samples_per_s * since))
+            spare[s.peer_id] = max(0, left[s.peer_id] - micro)
+        rest = sum(spare.values())
+        speed = sum(rates[s.peer_id] for s in helping) + sum(s.samples_per_s for s in owing)
+        finish_s = sum(left.values()) / speed
+        remaining = rest  # (the fastest helpers first, until the rest is covered)
+        for s in sorted(helping, key=lambda s: rates[s.peer_id], reverse=True):
+            part = min(max(round(rates[s.peer_id] * finish_s / micro), 1) * micro, space(s), remaining)
+            if part < micro:
+                break
+            self.moved[s.peer_id] = part
+            remaining -= part
+        taken = rest - remaining
+        for s in owing:
+            if taken and spare[s.peer_id]:
+                self.trimmed[s.peer_id] = s.allotted - math.floor(taken * spare[s.peer_id] / rest)
+
+    def settle(
+        self, shares: dict[str, Share], step: int, changing: Callable[[Share], AbstractContextManager[Share]]
+    ) -> int:
+        """Move the shared rest (if :meth:`open` shared one) in the ledger's ``shares`` at ``step``, each share
+        changed inside ``changing`` (the ledger's tally follows); returns the samples moved to the peers done
+        (each hears its new allotment at its report: the step watches answer)."""
+        for peer_id, keep in self.trimmed.items():
+            share = shares.get(peer_id)
+            if share is not None and share.step == step and share.samples < keep < share.allotted:
+                with changing(share):
+                    share.allotted = keep
+        moved = 0
+        for peer_id, more in self.moved.items():
+            share = shares[peer_id]  # (:meth:`open` just found it at the step, done with it)
+            if share.allotted <= share.samples:  # (moved just now: the others were moved before)
+                with changing(share):
+                    share.allotted = share.samples + more
+                self.given.add(peer_id)
+                moved += more
+        return moved
+
+    def trim(self, peer_id: str, holds: int) -> int | None:
+        """The allotment ``peer_id`` gets at its report if its rest was shared and it holds less (None:
+        not trimmed, or it reached that already)."""
+        keep = self.trimmed.get(peer_id)
+        return None if keep is None or holds >= keep else keep
+
     def take(self, peer_id: str) -> int:
         """The spare ``peer_id`` is allotted now (0: none)."""
         spare = self.offered.pop(peer_id, 0)
         if spare:
             self.given.add(peer_id)
         return spare
+
+
+def _owing(at_step: list[Share], now: float) -> tuple[list[Share], list[Share], set[str]] | None:
+    """The peers that owe samples of the open step, those of them on time, and the ids of those behind
+    (past their time and begun); None when no spares can open (none owes, one's time is unknown, or one on
+    time has not said it began the step: it may still be in its round)."""
+    owing = [s for s in at_step if s.computing and s.allotted > s.samples]
+    if not owing or any(s.samples_per_s <= 0 for s in owing):
+        return None
+    on_time = [s for s in owing if now < _due(s) + max(SPARE_MARGIN_S, SPARE_FRACTION * _rest(s))]
+    if any(not s.begun for s in on_time):
+        return None
+    # one past its time that has not said it began the step may be asleep, or still in its round (sending
+    # answers up a home line): its rest is offered, but it is not covered (it keeps its share, and is
+    # waited for at the close like anyone)
+    timely = {s.peer_id for s in on_time}
+    return owing, on_time, {s.peer_id for s in owing if s.peer_id not in timely and s.begun}
+
+
+def _rest(s: Share) -> float:
+    """Seconds the rest of its allotment takes at its rate."""
+    return (s.allotted - s.samples) / s.samples_per_s
+
+
+def _due(s: Share) -> float:
+    """When it should be done with its allotment: its rest from its last report at the step."""
+    return max(s.counted_at, s.step_since) + _rest(s)

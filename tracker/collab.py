@@ -676,11 +676,14 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
         return []
     now = time.monotonic()
     if run.ledger.open_spares(now):  # the step watches answer: the peers done ask for them, the rest report
+        spares = run.ledger.spares
         log.debug(
-            "run %s: spares %s for the rest of %s",
+            "run %s: spares %s for the rest of %s; shared rest %s, trimmed to %s",
             run.run_id,
-            run.ledger.spares.offered,
-            run.ledger.spares.covered,
+            spares.offered,
+            spares.covered,
+            spares.moved,
+            spares.trimmed,
         )
         run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
     late = run.ledger.overdue(now)

@@ -49,6 +49,9 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   live one reports at once) is allotted what it holds: it stops, and the spares compute its rest, so the
   step still closes on its target. Nobody is left out for being covered: a frozen peer's ready call is
   gathered like anyone's at the close, and what it computed is dropped only if it does not answer.
+  Sooner, when every peer that owes samples is on time but one began late (a catch-up, a spot-check) and
+  would keep the others waiting, its rest is *shared*: moved at once, in whole micro-batches, from the
+  peers that owe it to the peers done (:mod:`crowdtrain.tracker.backup`, "Shared rest").
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -223,6 +226,7 @@ class Ledger:
             self.tally.count(share, share.step == self.step, -1)
         self.origins.remove(peer_id)
         self.spares.offered.pop(peer_id, None)  # (a spare offered to a peer gone is offered to nobody)
+        self.spares.moved.pop(peer_id, None)
         self.spares.covered.discard(peer_id)
         if forget_ahead:
             self._ahead.pop(peer_id, None)
@@ -260,7 +264,8 @@ class Ledger:
             return 0
         at_step = [s for s in self._shares.values() if s.step == self.step]
         missing = self.target - self.tally.samples
-        return self.spares.open(at_step, missing, now, self._room, self.micro_batch_size)
+        offered = self.spares.open(at_step, missing, now, self._room, self.micro_batch_size)
+        return offered + self.spares.settle(self._shares, self.step, self._changing)  # (a shared rest)
 
     def in_flight(self, peer_id: str) -> bool:
         """Whether the peer may be computing a micro-batch of the open step: not if it last reported the
@@ -272,7 +277,7 @@ class Ledger:
     @property
     def offered(self) -> int:
         """What a peer done with the open step may ask for: the free samples and the spares not taken."""
-        return max(0, self.free) + sum(self.spares.offered.values())
+        return max(0, self.free) + sum(self.spares.offered.values()) + sum(self.spares.moved.values())
 
     def overdue(self, now: float) -> list[str]:
         """The peers late at the open step (:func:`crowdtrain.tracker.backup.late`)."""
@@ -329,6 +334,7 @@ class Ledger:
             share.allotted = self._allot(share) if share.step == self.step and step_open else 0
         self._revoked.discard(peer_id)  # it spoke
         self.spares.covered.discard(peer_id)
+        self.spares.moved.pop(peer_id, None)  # (told its part of a shared rest, if any)
         share.begun |= share.step == step
         share.stopped = 0 < told <= share.samples and share.allotted <= share.samples
         if step_open:
@@ -459,6 +465,9 @@ class Ledger:
         reached its allotment while samples are still free gets its share of those."""
         if not share.computing:
             return share.samples
+        trimmed = self.spares.trim(share.peer_id, share.samples)
+        if trimmed is not None:  # (its rest was shared out: it stops where the others finish too)
+            return trimmed
         t = self.tally
         free = self.target - t.reserved - share.samples
         if free <= 0:  # (spares: the allotments sum above the target; a peer given one keeps it)
