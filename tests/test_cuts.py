@@ -196,6 +196,17 @@ async def run(admin):
     return (await admin.create_run(spec)).run_id
 
 
+def _asleep_member(sleeper: SimVolunteer, port: int, weight: int) -> GroupMember:
+    """The sleeper's entry in a round of three live members and it: part 3, at ``port`` on loopback."""
+    return GroupMember(
+        peer_id=sleeper.peer_id,
+        address=f"127.0.0.1:{port}",
+        public_key=sleeper.key.public_hex,
+        weight=weight,
+        part=3,
+    )
+
+
 async def _stop(members: list[_Member]) -> None:
     for m in members:
         await m.averager.close()
@@ -216,15 +227,7 @@ async def test_an_owner_asleep_in_the_round_is_cut_and_the_others_apply_one_mean
     try:
         await _warm_up(tracker, run, live)
         members = [m.member(j, 10 * (j + 1)) for j, m in enumerate(live)]
-        members.append(
-            GroupMember(
-                peer_id=sleeper.peer_id,
-                address=f"127.0.0.1:{asleep.getsockname()[1]}",
-                public_key=sleeper.key.public_hex,
-                weight=40,
-                part=3,
-            )
-        )
+        members.append(_asleep_member(sleeper, asleep.getsockname()[1], 40))
         a = _signed(tracker, run, "asleep", members)
         rng = np.random.default_rng(1)
         vectors = [rng.standard_normal(4000).astype(np.float32) for _ in live]
@@ -297,16 +300,7 @@ async def test_an_owner_asleep_halfway_through_its_answer_is_cut_like_one_asleep
     try:
         await _warm_up(tracker, run, live)
         members = [m.member(j, 10) for j, m in enumerate(live)]
-        port = server.sockets[0].getsockname()[1]
-        members.append(
-            GroupMember(
-                peer_id=sleeper.peer_id,
-                address=f"127.0.0.1:{port}",
-                public_key=sleeper.key.public_hex,
-                weight=10,
-                part=3,
-            )
-        )
+        members.append(_asleep_member(sleeper, server.sockets[0].getsockname()[1], 10))
         a = _signed(tracker, run, "mid-answer", members)
         vectors = [np.full(4000, float(j + 1), dtype=np.float32) for j in range(3)]
         results = await asyncio.gather(
