@@ -44,8 +44,8 @@ def assert_replayed(actual: np.ndarray, expected: np.ndarray, what: str) -> None
     divides each gradient by its own magnitude: where a gradient is near zero (~1e-9, a rare token's
     embedding), a last-bit difference in the sum moves that one value's update by ~1e-5 (seen in CI, one value
     of 29,888; on a loaded machine, 5 values by at most 1.7e-5 after the fifth round of local steps, whose
-    samples per volunteer follow the timing). A wrong rule moves most values (a learning rate keyed one step off: 82 % of them, by up to
-    4e-2), so this still tells the rule apart."""
+    samples per volunteer follow the timing). A wrong rule moves most values (a learning rate keyed one step
+    off: 82 % of them, by up to 4e-2), so this still tells the rule apart."""
     diff = np.abs(np.asarray(actual, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
     strays = np.flatnonzero(~(diff <= 1e-5))  # (NaN counts as a stray)
     assert strays.size <= REPLAY_STRAYS and bool((diff[strays] <= 1e-4).all()), (

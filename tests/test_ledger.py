@@ -494,6 +494,11 @@ def test_the_rest_of_a_peer_that_began_late_is_shared_so_everyone_finishes_toget
     assert book.offered == 0
     assert beat(book, "b", 24, 10.0, now=5.4).done_at == 5.4
     assert beat(book, "b", 24, 10.0, now=5.5).allotted == 24  # (its trim stands once reached)
+    assert book.spares.trim("b", 20) == 24
+    book.spares.covered.add(
+        "b"
+    )  # (had it fallen behind later, spares covering it: it stops at what it holds)
+    assert book.spares.trim("b", 20) is None
     assert_tally_is_the_sum(book)
 
     soon = spared()

@@ -197,9 +197,9 @@ class Spares:
 
     def trim(self, peer_id: str, holds: int) -> int | None:
         """The allotment ``peer_id`` gets at its report if its rest was shared and it holds less (None:
-        not trimmed, or it reached that already)."""
+        not trimmed, it reached that already, or spares covered it since: it stops at what it holds)."""
         keep = self.trimmed.get(peer_id)
-        return None if keep is None or holds >= keep else keep
+        return None if keep is None or holds >= keep or peer_id in self.covered else keep
 
     def take(self, peer_id: str) -> int:
         """The spare ``peer_id`` is allotted now (0: none)."""
