@@ -71,12 +71,9 @@ class Hostile(Volunteer):
         size = {}
 
         def bad_grad(into=None) -> np.ndarray:
-            samples = trainer.samples
             g = take_grad(into)
             size["n"] = g.size
             mode = self.mode()
-            if samples > 0:  # with weight 0 (its share of the step was 0) it sends no values
-                self.sent[self.step] = mode
             if mode == "nan":
                 g[::97] = np.nan
             elif mode == "scale":
@@ -93,6 +90,10 @@ class Hostile(Volunteer):
         async def bad_allreduce(assignment, vector, weight, *, tag="grad", **kw):
             if tag == "grad" and self.mode() == "weight" and weight > 0:
                 weight *= 50
+            if tag == "grad" and weight > 0:
+                # what it sends this step (with weight 0 it sends no values: its share of the step was 0,
+                # or it is catching up after a step it was left out of)
+                self.sent[self.step] = self.mode()
             if tag == "grad":
                 bounds = part_bounds(vector.size, assignment.parts, assignment.part_weights)
                 self.part_norms[self.step] = [float(np.linalg.norm(vector[a:b])) for a, b in bounds]
@@ -170,9 +171,11 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
     bad = hostile.peer_id
     seen = {mode: 0 for mode in MODES}
     for step, mode in hostile.sent.items():
-        owners = rounds.get(step, [])
-        if not owners or not any(bad in e.members for e in owners):
-            continue  # the hostile missed this step's group (it joined late or the step closed early)
+        # the owners its copy reached in time (it may miss a step's group: it joined late, the step closed
+        # early, or on a loaded machine its copies came after the owners' deadline)
+        owners = [e for e in rounds.get(step, []) if bad in e.members and bad not in e.dropped]
+        if not owners:
+            continue
         seen[mode] += 1
         rejected = [bad in e.rejected for e in owners]
         clipped = [bad in e.clipped for e in owners]
