@@ -348,7 +348,7 @@ async def one_run(scenario: str, rule: str, args: argparse.Namespace, workdir: P
             await stop_all(procs)
             CpuGroup.remove_all()
     if args.timeline:
-        timeline(procs, None if args.events is None else args.events / f"{scenario}-{rule}.txt")
+        timeline(procs, None if args.events is None else args.events / f"{scenario}-{rule}.txt", turns)
     closed = sorted(records.values(), key=lambda r: r.step)
     window = [r for r in closed if r.step >= 1]
     span = window[-1].closed_at - window[0].closed_at if len(window) > 1 else float("nan")
@@ -435,16 +435,19 @@ def phase_shares(procs: list[Proc], start: float, end: float) -> dict[str, float
     return {k: v / total for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
 
 
-def timeline(procs: list[Proc], events: Path | None) -> None:
+def timeline(procs: list[Proc], events: Path | None, turns: list[Turn]) -> None:
     """Each stall (heavy-tail): the stalled volunteer's phase as it began, and the longest step another
     volunteer finished during it or within a second after; then that step's mean per phase."""
     from crowdtrain.volunteer import events as ev
 
     by_pid = {p.proc.pid: p for p in procs if p.proc is not None}
     if events is not None:
+        events.parent.mkdir(parents=True, exist_ok=True)
         with events.open("w") as f:
             for pid, start, end in STALLS:
                 f.write(f"{start:.3f} STALL {by_pid[pid].name} until {end:.3f}\n")
+            for turn in turns:  # (--paired)
+                f.write(f"{turn.start:.3f} TURN {'on' if turn.on else 'off'} until {turn.end:.3f}\n")
             for p in procs:
                 for e in p.events:
                     fields = {k: getattr(e, k) for k in getattr(e, "__slots__", ()) if k != "t"}
@@ -500,6 +503,7 @@ async def main() -> None:
         handler.setFormatter(logging.Formatter("%(created).3f %(message)s"))
         logging.getLogger("crowdtrain.tracker").setLevel(logging.DEBUG)
         logging.getLogger("crowdtrain.tracker").addHandler(handler)
+        logging.getLogger("crowdtrain.tracker").propagate = False  # (the file only, not stderr)
     print(
         f"machine: {cores()} cores (shared); {args.volunteers} volunteers, tiny-gpt 128 × 4, target {args.target}, "
         f"micro {args.micro}, device {args.device}; {args.seconds:.0f} s a run",

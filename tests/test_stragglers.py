@@ -243,3 +243,39 @@ async def test_two_volunteers_that_cut_each_other_wrongly_every_round_still_trai
             v.stop()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert any(v.summary.caught_up_to is not None for v in vols)  # (a cut one rejoined from the other)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_with_delayed_updates_a_volunteer_asleep_a_few_steps_comes_back_to_the_others_exact_state(
+    tmp_path,
+):
+    """Delay 1: asleep a few steps, the volunteer fetches the state (no replay on its own state there). A
+    snapshot of step k holds the averages of the steps below k; the peers that wrote it had step k's round
+    under way, so the one that loads it must apply step k's average too, as they do. Outcome: every
+    snapshot it writes after its catch-up is byte for byte the others' of that step (its content hash;
+    model and optimizer state), and the state it kept on leaving holds their parameters."""
+    async with three_and_a_sleeper(tmp_path, 330, {"delay": 1}) as s:
+        sleeper, others = s.sleeper, s.others
+        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
+        await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
+        os.kill(sleeper.proc.pid, signal.SIGSTOP)
+        frozen_at, frozen_step = time.time(), min(v.step for v in others)
+        try:
+            while min(v.step for v in others) < frozen_step + 3:  # (the others step without it)
+                await asyncio.sleep(0.05)
+        finally:
+            os.kill(sleeper.proc.pid, signal.SIGCONT)
+        await sleeper.wait_for(lambda e: isinstance(e, ev.StateLoaded) and e.t > frozen_at, 120)
+        loaded_at = time.time()
+        await sleeper.wait_for(
+            lambda e: len([d for d in sleeper.of(ev.StateServed) if d.t > loaded_at]) >= 4, 120
+        )
+
+    theirs = {e.step: e.content_hash for e in s.seen[0] if isinstance(e, ev.StateServed)}
+    mine = {e.step: e.content_hash for e in sleeper.of(ev.StateServed) if e.t > loaded_at}
+    compared = {step: (h, theirs[step]) for step, h in mine.items() if step in theirs}
+    assert len(compared) >= 3, (sorted(mine), sorted(theirs)[-6:])
+    differ = {step: pair for step, pair in compared.items() if pair[0] != pair[1]}
+    assert not differ, differ
+    assert_it_kept_their_parameters(tmp_path, s)

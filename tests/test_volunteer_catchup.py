@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.catchup import averages_needed
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
@@ -107,3 +108,18 @@ def test_a_peer_replaying_on_its_own_state_fetches_every_gap_in_the_averages_it_
     assert steps_to_fetch(3, 10, kept | {3, 4}) == [8]  # (the pass after fetching those before the first)
     assert steps_to_fetch(3, 10, set(range(3, 10))) == []
     assert steps_to_fetch(7, 7, set()) == []
+
+
+def test_with_delay_1_a_state_as_new_as_the_peers_step_waits_for_a_newer_one():
+    """A snapshot of step k holds the averages below k; its writers had k's round under way and apply its
+    average at the next close. A peer still at step k (it had not joined k's round) holds no copy of that
+    average: switching to the state then would leave it one average short for good (its optimizer state
+    never again the others'). With delay 0 a newer state is simply the step to move to."""
+    # delay 1, the peer at step 36 took part in 34 and 35 as a member with weight 0
+    assert list(averages_needed(34, 36, 1)) == [34, 35]  # 34 replayed, 35 applied at the close of 36
+    assert list(averages_needed(35, 36, 1)) == [35]
+    assert list(averages_needed(36, 36, 1)) == [36]  # not kept (the peer was in no round 36): wait
+    assert list(averages_needed(37, 36, 1)) == [37]
+    # delay 0: the steps up to the peer's own, none for a state of its step or newer
+    assert list(averages_needed(34, 36, 0)) == [34, 35]
+    assert list(averages_needed(36, 36, 0)) == [] and list(averages_needed(37, 36, 0)) == []

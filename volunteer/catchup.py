@@ -120,6 +120,18 @@ def steps_to_fetch(applied: int, step: int, kept: Container[int]) -> list[int]:
     return [s for s in range(applied, step) if s not in kept]
 
 
+def averages_needed(state_step: int, step: int, delay: int) -> range:
+    """The steps whose averages a peer at ``step`` must hold (kept as a member with weight 0) to switch to
+    the state of ``state_step``, which holds the averages of the steps below it. Delay 0: those up to its
+    step (a newer state: none; the peer moves to its step). Delay 1: up to the one applied when its step
+    closes, and at least ``state_step``'s own: the peers that wrote that snapshot had its round under way
+    (a snapshot is written as its step closes), and apply its average at the next close, as this peer
+    must; a state of this peer's step or newer is of no use until a newer one comes."""
+    if not delay:
+        return range(state_step, step)
+    return range(state_step, max(step, state_step + 1))
+
+
 class CatchUp:
     """Fetching the run's state and replaying the steps that passed meanwhile.
 
@@ -133,6 +145,7 @@ class CatchUp:
         self.replay = Replay(run.state_dir)
         self._pending: asyncio.Task[Path | OwnState | None] | None = None  # the fetch under way
         self.waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
+        self._older_than = 0  # a state below this step arrived of no use: wait for a newer one
 
     @property
     def active(self) -> bool:
@@ -181,6 +194,7 @@ class CatchUp:
         ``replay_from`` passed before this peer kept them. Donors write snapshots every few steps (the
         larger the state, the fewer), so a newcomer usually waits for the next one."""
         run, said = self.run, False
+        replay_from = max(replay_from, self._older_than)
         while True:
             # (not counting its own snapshots: they are not the run's state, as it fell behind)
             donors = await run.tracker.donors(run.config.run_id, without=run.peer_id)
@@ -295,12 +309,18 @@ class CatchUp:
     async def switch(self, conclude: Conclude) -> None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
         with delay 1, once no round is under way), so this peer holds what the others hold."""
-        run = self.run
-        if run.delay and self.rounds.under_way:
-            await conclude(await self.rounds.take_round())  # kept for the replay: still catching up
-        task, self._pending = self._pending, None
+        run, task = self.run, self._pending
         if task is None:  # (called once a fetch is done: there is one)
             return
+        if run.delay and self.rounds.under_way:
+            await conclude(await self.rounds.take_round())  # kept for the replay: still catching up
+            if self._pending is not task:
+                # that round failed: the replay was cleared and a new fetch is under way; this one is stale
+                stale = None if task.cancelled() or task.exception() else task.result()
+                if isinstance(stale, Path):
+                    stale.unlink(missing_ok=True)
+                return
+        self._pending = None
         fetched: Path | OwnState | None = None
         try:
             fetched = task.result()
@@ -329,17 +349,17 @@ class CatchUp:
         # of step ``target`` is applied when the current step closes, as every peer does.
         target = max(0, run.pos.step - run.delay)
         pending_step = target if run.delay and run.pos.step > 0 else None
-        needed = range(header.step, run.pos.step if pending_step is not None else target)
-        missing = [s for s in needed if s not in replay]
+        missing = [s for s in averages_needed(header.step, run.pos.step, run.delay) if s not in replay]
         if missing:
             await asyncio.to_thread(fetched.unlink, True)
             replay.clear()
             run.note(
                 logging.INFO,
-                "state of step %d arrived but steps %s passed unseen; fetching a newer one",
+                "state of step %d arrived but the averages of steps %s are not kept here; fetching a newer one",
                 header.step,
                 missing,
             )
+            self._older_than = header.step + 1
             self.start()
             return
         try:
@@ -349,8 +369,8 @@ class CatchUp:
         self._drop()  # (each step replayed would zero it anyway)
         await self._replay_steps(loaded.step, target)
         if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
-            run.pos.step = loaded.step + run.delay
-            run.pos.applied = loaded.step
+            # (delay 0 only: with delay 1 such a state lacks an average this peer holds no copy of)
+            run.pos.step = run.pos.applied = loaded.step
         else:
             run.pos.applied = target
             if pending_step is not None and pending_step >= loaded.step:
@@ -385,7 +405,7 @@ class CatchUp:
         """The end of a catch-up: the replay is spent, the parameters are recorded, the peer trains again."""
         run = self.run
         self.replay.clear()
-        self.waiting = None
+        self.waiting, self._older_than = None, 0
         run.summary.caught_up_to = run.pos.step
         await run.record_params()
         run.note(logging.INFO, message, *args)
