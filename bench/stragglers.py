@@ -451,7 +451,7 @@ def timeline(procs: list[Proc], events: Path | None, turns: list[Turn]) -> None:
             for p in procs:
                 for e in p.events:
                     fields = {k: getattr(e, k) for k in getattr(e, "__slots__", ()) if k != "t"}
-                    f.write(f"{e.t:.3f} {p.name} {type(e).__name__} {str(fields)[:300]}\n")
+                    f.write(f"{e.t:.3f} {p.name} {type(e).__name__} {str(fields)[:1500]}\n")
     cost: dict[str, list[float]] = {}
     for pid, start, end in STALLS:
         me = by_pid[pid]

@@ -394,17 +394,38 @@ def test_spares_open_again_for_what_the_step_still_lacks_but_not_to_a_peer_that_
     assert_tally_is_the_sum(book)
 
 
-def test_spares_wait_for_every_peer_that_owes_samples_and_a_covered_peer_silent_and_empty_is_written_off():
+def test_spares_cover_a_peer_behind_while_another_is_on_time_and_a_covered_peer_silent_and_empty_is_written_off():
+    """Regression (issue 27, heavy-tail timelines): with one peer asleep (behind) and another still computing
+    on time, spares waited for the one on time to finish or fall behind too, and the peers done idled
+    meanwhile. Now the rest of the one behind is offered at once; the one on time keeps its share."""
     book = spared()
     assert beat(book, "a", 40, 10.0, now=4.0).done_at == 4.0  # b and c owe 40 each (due at 4.0)
     beat(book, "c", 30, 10.0, now=4.5)  # c is on time: its rest of 10 is due at 5.5
-    assert book.open_spares(5.0) == 0  # b is behind, but c is not: no spares (c would be cut)
-    assert book.open_spares(5.7) == 20  # both behind now: b's 40 and c's 10, offered to a within its cap (60)
+    # b is behind: its 40 (what the step lacks, 50, less c's rest) is offered to a within its cap (60)
+    assert book.open_spares(5.0) == 20 and book.spares.offered == {"a": 20}
+    assert book.spares.covered == {"b"} and book.share("c").allotted == 40  # c, on time: not cut
     assert book.written_off("b") and not book.written_off("c")  # b holds nothing: its ready brings nothing
+    assert book.open_spares(5.7) == 0  # c is behind too now, but a, the only peer done, has its offer
     assert beat(book, "a", 40, 10.0, now=5.8).allotted == 60  # a, the only peer done: up to its share cap
-    # b wakes and speaks: it is allotted what the spares left (a's cap took 20 of the 50): the target's rest
+    # b wakes and speaks: it is allotted what the spares left (a's cap took 20 of its 40): the target's rest
     beat(book, "b", 0, 10.0, now=6.0)
     assert not book.written_off("b") and book.share("b").allotted == 20 and book.tally.reserved == 120
+    assert_tally_is_the_sum(book)
+
+
+def test_spares_offer_only_what_the_peers_on_time_will_not_bring():
+    """a is done at 4; b reported 8 at t=1, then fell asleep (due at 4.2); c reported 10 at 3.5 and computes on
+    (due at 6.5). At 4.7 b is behind: the step lacks 62, of which c still brings 30: b's 32 is offered, to a
+    (within its cap, 20). Once a took it, nothing more is offered while c and a are on time."""
+    book = spared()
+    beat(book, "b", 8, 10.0, now=1.0)
+    beat(book, "c", 10, 10.0, now=3.5)
+    assert beat(book, "a", 40, 10.0, now=4.0).done_at == 4.0
+    assert book.open_spares(4.6) == 0  # b is not behind by 15 % of its rest yet
+    assert book.open_spares(4.7) == 20 and book.spares.offered == {"a": 20}
+    assert book.spares.covered == {"b"}
+    assert beat(book, "a", 40, 10.0, now=4.75).allotted == 60
+    assert book.open_spares(5.0) == 0 and book.share("c").allotted == 40
     assert_tally_is_the_sum(book)
 
 

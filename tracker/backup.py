@@ -6,10 +6,10 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   rate (plus LATE_GRACE_S) is late (:func:`late`); the run revokes it if it is also silent
   (:func:`crowdtrain.tracker.collab.revoke_stragglers`).
 * **Spares** (delay 0, one inner step; :class:`Spares`). Once the first peer done with the open step has
-  waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and *every* peer that still owes samples is behind its
-  time (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step
-  still lacks is offered to the peers that owe nothing, by rate, each within its room and a micro-batch at
-  least. The peers behind are covered (one that reports is cut to what it holds), except one that has not
+  waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and a peer that still owes samples is behind its time
+  (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step still
+  lacks beyond the rest of the peers on time is offered to the peers that owe nothing, by rate, each within
+  its room and a micro-batch at least; the peers on time keep their shares. The peers behind are covered (one that reports is cut to what it holds), except one that has not
   reported at the step since its round moved it there: it may still be in its round (held by a member
   asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close.
 * **Shared rest** (:meth:`Spares.open`, :meth:`Spares._share_rest`). A peer that owes samples may be on
@@ -88,8 +88,9 @@ class Spares:
         self, at_step: list[Share], missing: int, now: float, room: Callable[[Share], int], micro: int
     ) -> int:
         """Open them if the rule says so, from the shares of the peers at the open step and the samples the
-        step still lacks; returns the samples offered (0: none). Only once every peer that owes samples is
-        behind, or the last on time is due far enough ahead (the shared rest: those on time are trimmed);
+        step still lacks; returns the samples offered (0: none). Only once a peer that owes samples is behind
+        (what those on time still bring is not offered), or every one is on time and the last is due far
+        enough ahead (the shared rest: those on time are trimmed);
         again once those given spares are behind too (one fell asleep computing them), and then not to a
         peer that left its last offer untaken. They go to the peers that
         compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
@@ -120,15 +121,20 @@ class Spares:
         rated = [s.samples_per_s for s in idle if s.samples_per_s > 0]
         mean = sum(rated) / len(rated) if rated else 1.0  # (an unknown rate counts as the mean)
         rates = {s.peer_id: s.samples_per_s if s.samples_per_s > 0 else mean for s in idle}
-        if on_time:
+        if len(on_time) == len(owing):
             # the shared rest, if every peer owing samples is on time and the last one keeps the peers done
             # waiting long enough (those with room for a micro-batch): :meth:`settle` moves the samples
             helping = [s for s in idle if room(s) - s.samples >= micro]
             ahead = max(_due(s) for s in on_time) - now
-            if not behind and helping and ahead > max(STEAL_MIN_S, STEAL_FRACTION * took):
+            if helping and ahead > max(STEAL_MIN_S, STEAL_FRACTION * took):
                 self._share_rest(owing, helping, rates, now, micro, lambda s: room(s) - s.samples)
                 self.last = now
             return 0  # (else no spares: they would cut its share, and idle the others no less)
+        # Some owe samples past their time (and others on time, perhaps): what the step lacks beyond what those
+        # on time still bring is offered now; those on time keep their shares.
+        missing -= sum(s.allotted - s.samples for s in on_time)
+        if missing <= 0:
+            return 0
         total = sum(rates.values())
         self.last = now
         self.covered |= behind
