@@ -86,6 +86,22 @@ def assert_it_kept_their_parameters(tmp_path, s: Sleeping) -> None:
     np.testing.assert_array_equal(flat, theirs)
 
 
+async def asleep_while_the_others_step(s: Sleeping, steps: int) -> float:
+    """Stop the sleeper (SIGSTOP) as it computes its share of a step, once it took 3 steps, and wake it once
+    the others took ``steps`` more without it; returns when it was stopped."""
+    sleeper, others = s.sleeper, s.others
+    await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
+    await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
+    os.kill(sleeper.proc.pid, signal.SIGSTOP)
+    frozen_at, frozen_step = time.time(), min(v.step for v in others)
+    try:
+        while min(v.step for v in others) < frozen_step + steps:  # (the others step without it)
+            await asyncio.sleep(0.05)
+    finally:
+        os.kill(sleeper.proc.pid, signal.SIGCONT)
+    return frozen_at
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -148,16 +164,8 @@ async def test_a_volunteer_asleep_for_a_few_steps_rejoins_by_replaying_their_ave
     kept, instead of fetching the whole state; it then takes the next steps with the others, on their
     parameters."""
     async with three_and_a_sleeper(tmp_path, 310) as s:
-        sleeper, others = s.sleeper, s.others
-        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
-        await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
-        os.kill(sleeper.proc.pid, signal.SIGSTOP)
-        frozen_at, frozen_step = time.time(), min(v.step for v in others)
-        try:
-            while min(v.step for v in others) < frozen_step + 2:  # (the others step without it)
-                await asyncio.sleep(0.05)
-        finally:
-            os.kill(sleeper.proc.pid, signal.SIGCONT)
+        sleeper = s.sleeper
+        frozen_at = await asleep_while_the_others_step(s, 2)
         woke_at = time.time()
         await sleeper.wait_for(lambda e: len([d for d in sleeper.of(ev.StepDone) if d.t > woke_at]) >= 3, 120)
 
@@ -256,16 +264,8 @@ async def test_with_delayed_updates_a_volunteer_asleep_a_few_steps_comes_back_to
     snapshot it writes after its catch-up is byte for byte the others' of that step (its content hash;
     model and optimizer state), and the state it kept on leaving holds their parameters."""
     async with three_and_a_sleeper(tmp_path, 330, {"delay": 1}) as s:
-        sleeper, others = s.sleeper, s.others
-        await sleeper.wait_for(lambda e: len(sleeper.of(ev.StepDone)) >= 3, 120)
-        await sleeper.wait_for(lambda e: isinstance(e, ev.LocalTraining), 30, after=len(sleeper.events))
-        os.kill(sleeper.proc.pid, signal.SIGSTOP)
-        frozen_at, frozen_step = time.time(), min(v.step for v in others)
-        try:
-            while min(v.step for v in others) < frozen_step + 3:  # (the others step without it)
-                await asyncio.sleep(0.05)
-        finally:
-            os.kill(sleeper.proc.pid, signal.SIGCONT)
+        sleeper = s.sleeper
+        frozen_at = await asleep_while_the_others_step(s, 3)
         await sleeper.wait_for(lambda e: isinstance(e, ev.StateLoaded) and e.t > frozen_at, 120)
         loaded_at = time.time()
         await sleeper.wait_for(
