@@ -9,9 +9,10 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and a peer that still owes samples is behind its time
   (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step still
   lacks beyond the rest of the peers on time is offered to the peers that owe nothing, by rate, each within
-  its room and a micro-batch at least; the peers on time keep their shares. The peers behind are covered (one that reports is cut to what it holds), except one that has not
-  reported at the step since its round moved it there: it may still be in its round (held by a member
-  asleep, or sending its answers up a home line), so it keeps its share and is waited for at the close.
+  its room and a micro-batch at least; the peers on time keep their shares. The peers behind are covered
+  (one that reports is cut to what it holds), except one that has not reported at the step since its round
+  moved it there: it may still be in its round (held by a member asleep, or sending its answers up a home
+  line), so it keeps its share and is waited for at the close.
 * **Shared rest** (:meth:`Spares.open`, :meth:`Spares._share_rest`). A peer that owes samples may be on
   time and still far from done: it began the step late (back from a catch-up, or after recomputing a
   member's gradient for a spot-check). Once the first peer done has waited as above, every peer that owes
