@@ -499,6 +499,7 @@ async def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.ERROR)
     if args.tracker_log:
+        Path(args.tracker_log).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(args.tracker_log)
         handler.setFormatter(logging.Formatter("%(created).3f %(message)s"))
         logging.getLogger("crowdtrain.tracker").setLevel(logging.DEBUG)

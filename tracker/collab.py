@@ -191,6 +191,7 @@ class RunState:
         self.pending: set[str] = set()  # after the close: peers whose ready call is awaited
         self.changed = asyncio.Event()
         self.freed = 0  # how many times samples of the open step were freed (answers the step watches)
+        self.called = 0  # how many times the roll was called (answers the step watches: every peer reports)
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
         self.stopping = False
@@ -315,6 +316,13 @@ class RunState:
         if self.closed_at is None and self.ledger.offered > max(before, 0):
             self.freed += 1
             self._wake()
+
+    def call_roll(self) -> None:
+        """Every step watch answers ``report``: each peer at the step heartbeats now (the roll call,
+        ``tracker/backup.py``: one that does not is asleep)."""
+        self.ledger.spares.calling = False
+        self.called += 1
+        self._wake()
 
     # ------------------------------------------------------------ closing a step
 
@@ -459,19 +467,23 @@ class RunState:
         freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
-        freed, free = self.freed, None
+        freed, called, free, report = self.freed, self.called, None, False
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
             if self.freed != freed and self.global_step == step and self.ledger.offered > 0:
                 free = self.ledger.offered  # (freed, or spares opened, and not taken yet)
+            report = self.called != called and self.global_step == step  # (the roll call: tracker/backup.py)
+            if free is not None or report:
                 break
             freed = self.freed
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             await wait_at_most(self.changed, remaining)
-        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None, free=free)
+        return StepWatch(
+            global_step=self.global_step, step_closed=self.closed_at is not None, free=free, report=report
+        )
 
     async def ready_call(
         self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
@@ -686,6 +698,8 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
             spares.trimmed,
         )
         run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
+    if run.ledger.spares.calling:
+        run.call_roll()
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
