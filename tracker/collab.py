@@ -315,14 +315,7 @@ class RunState:
         (its peer asleep) must not wake every watch again at each heartbeat."""
         if self.closed_at is None and self.ledger.offered > max(before, 0):
             self.freed += 1
-            self._wake()
-
-    def call_roll(self) -> None:
-        """Every step watch answers ``report``: each peer at the step heartbeats now (the roll call,
-        ``tracker/backup.py``: one that does not is asleep)."""
-        self.ledger.spares.calling = False
-        self.called += 1
-        self._wake()
+            self.wake()
 
     # ------------------------------------------------------------ closing a step
 
@@ -351,7 +344,7 @@ class RunState:
             return
         self.closed_at = now
         log.debug("run %s: step %d closed with %d samples", self.run_id, self.global_step, tally.samples)
-        self._wake()
+        self.wake()
         # peers of the previous step are on their way here (their heartbeat may lag the step)
         pending = [
             p
@@ -404,7 +397,7 @@ class RunState:
         self.ledger.reopen()
         self.pending = set()
         self._any_owner()
-        self._wake()
+        self.wake()
 
     # ------------------------------------------------------------ forming its round
 
@@ -442,7 +435,7 @@ class RunState:
         self._advance(candidates, now)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in phases[0]])
-        self._wake()
+        self.wake()
 
     def _advance(self, candidates: list[Candidate], now: float) -> None:
         """The next step opens: nothing gathered for it yet; the averaged peers move to it and are allotted
@@ -457,14 +450,14 @@ class RunState:
 
     # ------------------------------------------------------------ long-polls
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Answer every long-poll waiting on a change (a close, a formed or reopened round)."""
         self.changed.set()
         self.changed = asyncio.Event()
 
     async def wait_close(self, step: int, long_poll_s: float) -> StepWatch:
         """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, once samples of it were
-        freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
+        freed while it waited (``free``: how many), the roll was called (``report``), or after ``long_poll_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
         freed, called, free, report = self.freed, self.called, None, False
@@ -481,9 +474,8 @@ class RunState:
             if remaining <= 0:
                 break
             await wait_at_most(self.changed, remaining)
-        return StepWatch(
-            global_step=self.global_step, step_closed=self.closed_at is not None, free=free, report=report
-        )
+        closed = self.closed_at is not None
+        return StepWatch(global_step=self.global_step, step_closed=closed, free=free, report=report)
 
     async def ready_call(
         self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
@@ -698,8 +690,10 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
             spares.trimmed,
         )
         run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
-    if run.ledger.spares.calling:
-        run.call_roll()
+    if run.ledger.spares.calling:  # the roll call (tracker/backup.py): every step watch answers "report"
+        run.ledger.spares.calling = False
+        run.called += 1
+        run.wake()
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
