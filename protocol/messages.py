@@ -384,9 +384,6 @@ class StepWatch(Message, frozen=True, kw_only=True):
     # watch waited (a peer left, or stopped computing): a peer at its allotment heartbeats for a share of
     # them (None: nothing was freed, or a tracker that does not say)
     free: int | None = None
-    # the roll call: a peer done with the step has waited while others owe samples; every peer at the step
-    # heartbeats now, and one that owes samples and says nothing is taken for asleep (spares cover it)
-    report: bool = False
 
 
 class LeaveRequest(Message, frozen=True, kw_only=True):

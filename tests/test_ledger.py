@@ -429,27 +429,6 @@ def test_spares_offer_only_what_the_peers_on_time_will_not_bring():
     assert_tally_is_the_sum(book)
 
 
-def test_the_roll_call_finds_a_peer_asleep_before_its_rate_says_it_is_behind():
-    """Roll call (issue 27): a is done at 3 (a step of 3 s); b reported 8 at t=1 and fell asleep (its rest
-    due at 4.2, behind by the margin at 4.68); c reported 36 at 3.4 (due at 3.8). Once a has waited 15 % of
-    its step (3.45) the roll is called; c answers, b does not, and 0.2 s after the call b is behind: what
-    the step lacks beyond c's rest is offered to a (its room, 20), a second before b's rate would have said
-    so. c, which answered, is on time and keeps its share."""
-    book = spared()
-    beat(book, "b", 8, 10.0, now=1.0)
-    beat(book, "c", 36, 10.0, now=3.4)
-    assert beat(book, "a", 40, 10.0, now=3.0).done_at == 3.0
-    assert book.open_spares(3.44) == 0 and not book.spares.calling  # a has not waited 15 % of its step
-    assert book.open_spares(3.45) == 0 and book.spares.calling  # the call, and nothing offered yet
-    book.spares.calling = False  # (the run answers the step watches "report")
-    beat(book, "c", 38, 10.0, now=3.5)  # it answers
-    assert book.open_spares(3.6) == 0  # b has been silent only 0.15 s since the call
-    assert book.open_spares(3.66) == 20 and book.spares.offered == {"a": 20}
-    assert book.spares.covered == {"b"} and book.share("c").allotted == 40
-    assert book.open_spares(3.9) == 0 and not book.spares.calling  # one call a step
-    assert_tally_is_the_sum(book)
-
-
 def test_spares_go_whole_to_the_peers_with_room_not_to_one_at_its_cap():
     """Regression (issue 27, a 40 s heavy-tail run): spares were split by rate over every peer done, one of
     them at its share cap, so each opening offered the peer with room only its part of what the step lacked,

@@ -461,47 +461,6 @@ async def test_a_spare_left_untaken_by_a_peer_asleep_does_not_wake_every_watch_a
     assert (quiet.step_closed, quiet.free) == (False, None), quiet
 
 
-@pytest.mark.tracker_config(heartbeat_interval_s=10.0, peer_ttl_s=60.0)
-async def test_the_roll_call_finds_a_peer_asleep_long_before_its_rate_says_it_is_behind(client):
-    """Roll call (issue 27): a is done with step 0; c still computes (24 of 40 at 4 samples/s); b reported
-    8 and fell asleep at 1 sample/s (its rest due in 32 s, its silence limit 15 s). Once a has waited, every
-    step watch answers ``report`` (with the shared rest moved to a, b and c being on time by their rates).
-    c answers, b does not. When a and c are done with their new shares, what the step lacks is offered to
-    them at once: b, silent since the call, is behind whatever its rate says, and is covered (woken, it is
-    allotted what it holds); c, which answered, was never cut below what it holds."""
-    run_id = await new_run(client, target=120, gather_s=30.0)
-    a, b, c = await joined(client, run_id, 3)
-    for v in (a, b, c):
-        assert (await v.heartbeat(0, 0, samples_per_s=40.0)).allotment == 40
-    await b.heartbeat(0, 8, samples_per_s=1.0)  # then asleep
-    await c.heartbeat(0, 24, samples_per_s=4.0)
-    await a.heartbeat(0, 40, samples_per_s=40.0)
-    call = await client.watch_step(run_id, 0, wait_s=12)
-    assert (call.step_closed, call.report) == (False, True), call
-    told_c = (await c.heartbeat(0, 28, samples_per_s=4.0)).allotment  # it answers the call (b sleeps on)
-    told_a = (await a.heartbeat(0, 40, samples_per_s=40.0)).allotment
-    assert told_c >= 28 and told_a >= 40
-    watch = asyncio.create_task(client.watch_step(run_id, 0, wait_s=3))
-    await asyncio.sleep(0.3)  # (past ROLL_WAIT_S since the call)
-    await a.heartbeat(0, told_a, samples_per_s=40.0)
-    await c.heartbeat(0, told_c, samples_per_s=4.0)
-    offer = await watch
-    for _ in range(
-        3
-    ):  # (an answer may have been the shared rest's, or the call's; 9 s < b's 15 s of silence)
-        if offer.free is not None:
-            break
-        offer = await client.watch_step(run_id, 0, wait_s=3)
-        assert not offer.step_closed
-    assert offer.free > 0, offer
-    more = [
-        (await v.heartbeat(0, t, samples_per_s=r)).allotment - t
-        for v, t, r in ((a, told_a, 40.0), (c, told_c, 4.0))
-    ]
-    assert sum(more) == offer.free  # the peers done take b's rest
-    assert (await b.heartbeat(0, 8, samples_per_s=1.0)).allotment == 8  # covered: it stops where it is
-
-
 def test_a_peer_is_awaited_at_a_close_for_its_own_answer_time_less_what_it_let_pass_unanswered():
     """collab.answer_wait: gather_s until its answers were timed, then 4 × its slowest recent answer (at
     least 0.15 s, at most gather_s); a micro-batch more only while one may be in flight; and what it already

@@ -13,14 +13,6 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   (one that reports is cut to what it holds), except one that has not reported at the step since its round
   moved it there: it may still be in its round (held by a member asleep, or sending its answers up a home
   line), so it keeps its share and is waited for at the close.
-* **Roll call** (:meth:`Spares.open`, with spares). When the first peer done has waited as above, the
-  tracker asks every peer at the step to report at once (the step watches answer ``report``; a volunteer
-  heartbeats from the task beside its computing, within tens of milliseconds). A peer that owes samples, has
-  reported at its step, and has said nothing ROLL_WAIT_S after the call is behind whatever its rate says: a
-  volunteer asleep is found a fixed few tenths after the first peer is done instead of once its whole rest
-  should have taken (its rate was measured while it shared the cores, or a line, with the others). Spares
-  only add work, so a live peer slow to answer (its heartbeat queued behind its own upload on a home line)
-  costs the micro-batch it has in flight beyond the target, not its place in the round.
 * **Shared rest** (:meth:`Spares.open`, :meth:`Spares._share_rest`). A peer that owes samples may be on
   time and still far from done: it began the step late (back from a catch-up, or after recomputing a
   member's gradient for a spot-check). Once the first peer done has waited as above, every peer that owes
@@ -55,9 +47,6 @@ SPARE_FRACTION = 0.15
 SPARE_MARGIN_S = 0.15
 # Shared rest (the rule above): the peers done would wait more than STEAL_FRACTION of their step (at least
 # STEAL_MIN_S) for the last peer on time.
-# Roll call (the rule above): a peer that has begun its step and said nothing ROLL_WAIT_S after the call is
-# behind.
-ROLL_WAIT_S = 0.2
 STEAL_FRACTION = 0.25
 STEAL_MIN_S = 0.25
 
@@ -86,7 +75,7 @@ def late(at_step: list[Share], now: float) -> list[str]:
 class Spares:
     """The spares of the open step (the rule above; :meth:`~crowdtrain.tracker.ledger.Ledger.open_spares`)."""
 
-    __slots__ = ("called", "calling", "covered", "given", "last", "moved", "offered", "trimmed")
+    __slots__ = ("covered", "given", "last", "moved", "offered", "trimmed")
 
     def __init__(self) -> None:
         self.offered: dict[str, int] = {}  # spare samples a peer done with the step is allotted next
@@ -95,20 +84,19 @@ class Spares:
         self.trimmed: dict[str, int] = {}  # peers on time whose rest was shared: the allotment they keep
         self.moved: dict[str, int] = {}  # the peers done given part of that rest, not told yet: how much
         self.last = -math.inf  # when they last opened
-        self.called = math.inf  # when the roll was called (once a step; inf: not yet)
-        self.calling = False  # the roll is to be called now: the run answers the step watches ``report``
 
     def open(
         self, at_step: list[Share], missing: int, now: float, room: Callable[[Share], int], micro: int
     ) -> int:
         """Open them if the rule says so, from the shares of the peers at the open step and the samples the
         step still lacks; returns the samples offered (0: none). Only once a peer that owes samples is behind
-        (what those on time still bring is not offered), or all are on time and the last is due far enough
-        ahead (the shared rest: those on time are trimmed); again once those given spares are behind too (one
-        fell asleep computing them), and then not to a peer that left its last offer untaken; the roll is
-        called once a step. They go to the peers that compute and owe nothing (done with the step, or idle
-        at it with nothing allotted: one back from a catch-up), by rate, each within its room (``room``: the
-        share cap), a micro-batch (``micro``) at least where its room allows."""
+        (what those on time still bring is not offered), or every one is on time and the last is due far
+        enough ahead (the shared rest: those on time are trimmed);
+        again once those given spares are behind too (one fell asleep computing them), and then not to a
+        peer that left its last offer untaken. They go to the peers that
+        compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
+        catch-up), by rate, each within its room (``room``: the share cap) and at least a micro-batch
+        (``micro``) where its room allows, so a spare is never a sliver of a micro-batch."""
         if missing <= 0 or now - self.last < SPARE_WAIT_S:
             return 0
         idle = [
@@ -127,9 +115,7 @@ class Spares:
         took = min((s.done_at - s.step_since for s in done), default=0.0)
         if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
             return 0
-        if self.called == math.inf:
-            self.called, self.calling = now, True
-        found = _owing(at_step, now, self.called)
+        found = _owing(at_step, now)
         if found is None:
             return 0
         owing, on_time, behind = found
@@ -153,6 +139,7 @@ class Spares:
         total = sum(rates.values())
         self.last = now
         self.covered |= behind
+        # every peer that owes samples is behind: what the step lacks goes to the idle ones, by rate
         self.offered = {}
         for s in idle:
             fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
@@ -229,23 +216,14 @@ class Spares:
         return spare
 
 
-def _owing(
-    at_step: list[Share], now: float, called: float
-) -> tuple[list[Share], list[Share], set[str]] | None:
+def _owing(at_step: list[Share], now: float) -> tuple[list[Share], list[Share], set[str]] | None:
     """The peers that owe samples of the open step, those of them on time, and the ids of those behind
-    (past their time, or silent since the roll was ``called`` ROLL_WAIT_S ago, and begun); None when no
-    spares can open (none owes, one's time is unknown, or one on time has not said it began the step: it
-    may still be in its round)."""
+    (past their time and begun); None when no spares can open (none owes, one's time is unknown, or one on
+    time has not said it began the step: it may still be in its round)."""
     owing = [s for s in at_step if s.computing and s.allotted > s.samples]
     if not owing or any(s.samples_per_s <= 0 for s in owing):
         return None
-    silent = now - ROLL_WAIT_S >= called
-    on_time = [
-        s
-        for s in owing
-        if now < _due(s) + max(SPARE_MARGIN_S, SPARE_FRACTION * _rest(s))
-        and not (silent and s.begun and s.counted_at < called)
-    ]
+    on_time = [s for s in owing if now < _due(s) + max(SPARE_MARGIN_S, SPARE_FRACTION * _rest(s))]
     if any(not s.begun for s in on_time):
         return None
     # one past its time that has not said it began the step may be asleep, or still in its round (sending

@@ -191,7 +191,6 @@ class RunState:
         self.pending: set[str] = set()  # after the close: peers whose ready call is awaited
         self.changed = asyncio.Event()
         self.freed = 0  # how many times samples of the open step were freed (answers the step watches)
-        self.called = 0  # how many times the roll was called (answers the step watches: every peer reports)
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
         self.notice: str | None = None  # a run-wide problem, in one sentence
         self.stopping = False
@@ -315,7 +314,7 @@ class RunState:
         (its peer asleep) must not wake every watch again at each heartbeat."""
         if self.closed_at is None and self.ledger.offered > max(before, 0):
             self.freed += 1
-            self.wake()
+            self._wake()
 
     # ------------------------------------------------------------ closing a step
 
@@ -344,7 +343,7 @@ class RunState:
             return
         self.closed_at = now
         log.debug("run %s: step %d closed with %d samples", self.run_id, self.global_step, tally.samples)
-        self.wake()
+        self._wake()
         # peers of the previous step are on their way here (their heartbeat may lag the step)
         pending = [
             p
@@ -397,7 +396,7 @@ class RunState:
         self.ledger.reopen()
         self.pending = set()
         self._any_owner()
-        self.wake()
+        self._wake()
 
     # ------------------------------------------------------------ forming its round
 
@@ -435,7 +434,7 @@ class RunState:
         self._advance(candidates, now)
         for callback in self.on_formed:
             callback(record, [len(g.members) for g in phases[0]])
-        self.wake()
+        self._wake()
 
     def _advance(self, candidates: list[Candidate], now: float) -> None:
         """The next step opens: nothing gathered for it yet; the averaged peers move to it and are allotted
@@ -450,32 +449,29 @@ class RunState:
 
     # ------------------------------------------------------------ long-polls
 
-    def wake(self) -> None:
+    def _wake(self) -> None:
         """Answer every long-poll waiting on a change (a close, a formed or reopened round)."""
         self.changed.set()
         self.changed = asyncio.Event()
 
     async def wait_close(self, step: int, long_poll_s: float) -> StepWatch:
         """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, once samples of it were
-        freed while it waited (``free``: how many), the roll was called (``report``), or after ``long_poll_s``."""
+        freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + long_poll_s
-        freed, called, free, report = self.freed, self.called, None, False
+        freed, free = self.freed, None
         while not self.stopping:
             if self.global_step > step or (self.global_step == step and self.closed_at is not None):
                 break
             if self.freed != freed and self.global_step == step and self.ledger.offered > 0:
                 free = self.ledger.offered  # (freed, or spares opened, and not taken yet)
-            report = self.called != called and self.global_step == step  # (the roll call: tracker/backup.py)
-            if free is not None or report:
                 break
             freed = self.freed
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             await wait_at_most(self.changed, remaining)
-        closed = self.closed_at is not None
-        return StepWatch(global_step=self.global_step, step_closed=closed, free=free, report=report)
+        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None, free=free)
 
     async def ready_call(
         self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
@@ -690,10 +686,6 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
             spares.trimmed,
         )
         run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
-    if run.ledger.spares.calling:  # the roll call (tracker/backup.py): every step watch answers "report"
-        run.ledger.spares.calling = False
-        run.called += 1
-        run.wake()
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
     suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]

@@ -227,13 +227,12 @@ class TrackerLink:
                 deadline = time.monotonic() + run.heartbeat_interval
                 while run.pos.step == step and time.monotonic() < deadline and not run.stopping:
                     await self.sleep_until(0.05, run.me.stop)
-            elif watch.free or watch.report:
-                if watch.free:
-                    self.freed = True
-                    self.changed.set()
+            elif watch.free:
+                self.freed = True
+                self.changed.set()
                 # report now, mid-micro-batch if need be: a peer at its share asks for its part of what is
                 # free; one still computing whose rest the tracker gave others as spares is cut to what it
-                # holds (the step closes on its target); and each shows it is alive (the roll call)
+                # holds (the step closes on its target), and shows it is alive
                 self.poke()
 
     def _hear(self, global_step: int, step_closed: bool) -> None:
