@@ -100,8 +100,9 @@ async def test_a_member_that_voted_is_awake_and_never_cut_from_that_round_so_som
     assert await cuts.call(pair, "grad", "b", "a", now) == "kept"  # a voted: awake
     assert await cuts.call(pair, "grad", "a", "a", now) == "kept"  # a applies the round, b replays from it
     assert await cuts.call(pair, "grad", "b", "b", now) == "cut"
-    # a vote keeps an open case on the voter: its waiting voters hear "kept" at once
-    trio = _assignment(["a", "b", "c"], deadline=now + 30, round_id="r2")
+    # a vote keeps an open case on the voter: its waiting voters hear "kept" at once (the round's deadline is
+    # 3 s away: the vote on b, which only c casts, waits for it and is then "kept")
+    trio = _assignment(["a", "b", "c"], deadline=now + 3, round_id="r2")
     on_c = asyncio.create_task(cuts.call(trio, "grad", "a", "c", now))
     await asyncio.sleep(0.05)
     assert await cuts.call(trio, "grad", "c", "b", now) == "kept"  # (b: only c voted on it)

@@ -20,9 +20,10 @@ IDLE_S = 30.0  # longer than a client's own keep-alive (aiohttp's 15 s), so it n
 
 
 class PeerServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, idle_s: float = IDLE_S) -> None:
         self.host = host
         self.port = port
+        self.idle_s = idle_s  # (IDLE_S; a test of the limit itself sets a shorter one)
         self.peer_id = ""
         self._app = web.Application(client_max_size=MAX_BODY)
         self._app.router.add_get("/v1/ping", self._ping)
@@ -51,9 +52,9 @@ class PeerServer:
         """Serve on the bound port (binding it first if needed); returns the port."""
         sock = self._listener()
         quiet_parser_errors()
-        # a connection that completes no request for IDLE_S (a slowloris, or an idle keep-alive) is closed
+        # a connection that completes no request for idle_s (a slowloris, or an idle keep-alive) is closed
         self._runner = web.AppRunner(
-            self._app, access_log=None, handle_signals=False, keepalive_timeout=IDLE_S
+            self._app, access_log=None, handle_signals=False, keepalive_timeout=self.idle_s
         )
         await self._runner.setup()
         await start_serving(self._runner, [sock], BACKLOG)
