@@ -7,6 +7,7 @@ peer headers), the way a broken or hostile peer would send them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
@@ -414,3 +415,34 @@ async def test_abandoned_round_answers_waiting_senders_at_once(trio):
     assert time.time() < assignment.deadline
     # RoundFailed means a round that could not start; this one ran and lists its failed part
     assert isinstance(h.events[-1], RoundDone) and h.events[-1].failed_parts == (0,)
+
+
+async def test_a_sender_that_hangs_up_before_its_answer_costs_the_owner_nothing(trio, caplog):
+    """m sends its whole copy and hangs up while the owner still waits for h: the owner counts m's copy,
+    answers h, and its server logs no error for the answer it could not send."""
+    a, h, m = trio
+    rng = np.random.default_rng(12)
+    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
+    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
+    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
+    hangs_up = asyncio.create_task(
+        post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
+    )
+    key = f"{assignment.round_id}/grad"
+    await until(
+        lambda: key in a.averager.owner.rounds and "m" in a.averager.owner.rounds[key].reducer.contributions,
+        30,
+        "the owner's receipt of m's copy",
+        every_s=0.01,
+    )
+    hangs_up.cancel()  # its connection closes while its answer waits for h's copy
+    with pytest.raises(asyncio.CancelledError):
+        await hangs_up
+    await asyncio.sleep(0.1)
+    result = await h.averager.allreduce(assignment, vh, 2.0)
+    mean = weighted_mean([va, vh, vm], [3, 2, 4])
+    np.testing.assert_allclose(result.values, mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose((await owner).values, mean, rtol=1e-6, atol=1e-6)
+    await asyncio.sleep(0.1)  # the handler of m's request writes (or fails to write) its answer
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]

@@ -342,9 +342,9 @@ class Owner:
         response.content_type = "application/octet-stream"
         if rnd.answer_stored:  # a known length: no chunked encoding, frames go out without being joined
             response.content_length = stored_length(red.length, self.config.subframe_elements)
-        await response.prepare(request)
         sent = 0
         try:
+            await response.prepare(request)
             try:
                 async with asyncio.timeout(max(0.0, rnd.deadline + self.config.grace_s - time.time())):
                     while True:  # each sub-frame as soon as its slice is reduced
