@@ -779,3 +779,25 @@ async def test_a_ready_weight_above_what_the_peer_reported_is_credited_only_as_i
     assert weights[honest.peer_id] == 10
     # one sample plus what a rate of 1/s allows in the seconds since (×4 slack) plus two micro-batches
     assert 1 <= weights[liar.peer_id] <= 1 + 2 * 8 + 4 * 5
+
+
+async def test_a_peer_still_at_the_step_before_is_not_awaited_at_a_close(client):
+    """Issue 27 (a heavy-tail timeline): a peer that took no part in the last round (asleep through it) is
+    still at the step before when the next step closes. It can bring nothing to that round, so its ready call
+    is not awaited, not even for ``gather_s`` (30 s here: its answers were never timed)."""
+    run_id = await new_run(client, target=20, gather_s=30.0)
+    a, b = await joined(client, run_id, 2)
+    for v in (a, b):
+        await v.heartbeat(0, 10)
+    first = await asyncio.wait_for(asyncio.gather(a.ready(0, 10), b.ready(0, 10)), 12)
+    assert [r.status for r in first] == ["group", "group"]
+    [c] = await joined(client, run_id, 1, reachable=False)
+    reply = await c.heartbeat(0, 4)  # it reports step 0 (then sleeps): the run is at step 1
+    assert (reply.global_step, reply.step_closed) == (1, False)
+    for v in (a, b):
+        await v.heartbeat(1, 10)
+    second = await asyncio.wait_for(asyncio.gather(a.ready(1, 10), b.ready(1, 10)), 12)
+    assert [r.status for r in second] == ["group", "group"]
+    assert {m.peer_id for m in second[0].assignment.members} == {a.peer_id, b.peer_id}
+    late = await c.ready(0, 4, wait_s=1)
+    assert (late.status, late.global_step) == ("missed", 2)
