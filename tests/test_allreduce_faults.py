@@ -152,15 +152,35 @@ async def test_lossy_copy_cut_into_other_frames_than_the_runs_is_refused_and_the
             await p.stop()
 
 
+async def received(owner, assignment, sender: str) -> None:
+    """Until ``owner`` has the whole copy of ``sender`` for the round of ``assignment``."""
+    key = f"{assignment.round_id}/grad"
+    rounds = owner.averager.owner.rounds
+    await until(
+        lambda: key in rounds and sender in rounds[key].reducer.contributions,
+        30,
+        f"the owner's receipt of {sender}'s copy",
+        every_s=0.01,
+    )
+
+
+def m_sends_to_a(trio, seed: int) -> tuple[list[np.ndarray], object, asyncio.Task, asyncio.Task]:
+    """A round of a, h and m (weights 3, 2, 4; a owns the only part) with a's own share under way and m's
+    copy posted: (a's, h's and m's values, the assignment, a's round, m's post)."""
+    a, h, m = trio
+    rng = np.random.default_rng(seed)
+    values = [rng.standard_normal(N).astype(np.float32) for _ in range(3)]
+    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
+    owner = asyncio.create_task(a.averager.allreduce(assignment, values[0], 3.0))
+    post = asyncio.create_task(
+        post_part(m, a, assignment, 0, b"".join(frames(values[2])), weight="4.0", elements=str(N))
+    )
+    return values, assignment, owner, post
+
+
 async def test_duplicate_contribution_gets_409_and_the_first_one_counts(trio):
     a, h, m = trio
-    rng = np.random.default_rng(6)
-    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
-    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
-    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
-    first = asyncio.create_task(
-        post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
-    )
+    (va, vh, vm), assignment, owner, first = m_sends_to_a(trio, 6)
     await asyncio.sleep(0)  # let the first request start; the second must still meet it whatever the order
     while not first.done():
         status, text = await post_part(
@@ -398,13 +418,7 @@ async def test_abandoned_round_answers_waiting_senders_at_once(trio):
     assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1], deadline_s=60.0)
     owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
     sender = asyncio.create_task(h.averager.allreduce(assignment, vh, 2.0))
-    key = f"{assignment.round_id}/grad"
-    await until(
-        lambda: key in a.averager.owner.rounds and "h" in a.averager.owner.rounds[key].reducer.contributions,
-        30,
-        "the owner's receipt of h's copy",
-        every_s=0.01,
-    )
+    await received(a, assignment, "h")
     owner.cancel()  # e.g. Ctrl-C on the owner while m never sends: h must not wait for the deadline
     with pytest.raises(asyncio.CancelledError):
         await owner
@@ -420,21 +434,9 @@ async def test_abandoned_round_answers_waiting_senders_at_once(trio):
 async def test_a_sender_that_hangs_up_before_its_answer_costs_the_owner_nothing(trio, caplog):
     """m sends its whole copy and hangs up while the owner still waits for h: the owner counts m's copy,
     answers h, and its server logs no error for the answer it could not send."""
-    a, h, m = trio
-    rng = np.random.default_rng(12)
-    va, vh, vm = (rng.standard_normal(N).astype(np.float32) for _ in range(3))
-    assignment = assign([a, h, m], [3, 2, 4], [0, -1, -1])
-    owner = asyncio.create_task(a.averager.allreduce(assignment, va, 3.0))
-    hangs_up = asyncio.create_task(
-        post_part(m, a, assignment, 0, b"".join(frames(vm)), weight="4.0", elements=str(N))
-    )
-    key = f"{assignment.round_id}/grad"
-    await until(
-        lambda: key in a.averager.owner.rounds and "m" in a.averager.owner.rounds[key].reducer.contributions,
-        30,
-        "the owner's receipt of m's copy",
-        every_s=0.01,
-    )
+    a, h, _ = trio
+    (va, vh, vm), assignment, owner, hangs_up = m_sends_to_a(trio, 12)
+    await received(a, assignment, "m")
     hangs_up.cancel()  # its connection closes while its answer waits for h's copy
     with pytest.raises(asyncio.CancelledError):
         await hangs_up
