@@ -91,12 +91,11 @@ class Spares:
         """Open them if the rule says so, from the shares of the peers at the open step and the samples the
         step still lacks; returns the samples offered (0: none). Only once a peer that owes samples is behind
         (what those on time still bring is not offered), or every one is on time and the last is due far
-        enough ahead (the shared rest: those on time are trimmed);
-        again once those given spares are behind too (one fell asleep computing them), and then not to a
-        peer that left its last offer untaken. They go to the peers that
-        compute and owe nothing (done with the step, or idle at it with nothing allotted: one back from a
-        catch-up), by rate, each within its room (``room``: the share cap) and at least a micro-batch
-        (``micro``) where its room allows, so a spare is never a sliver of a micro-batch."""
+        enough ahead (the shared rest: those on time are trimmed); again once those given spares are behind
+        too (one fell asleep computing them), and then not to a peer that left its last offer untaken. They
+        go to the peers that compute and owe nothing (done with the step, or idle at it with nothing
+        allotted: one back from a catch-up), by rate, each within its room (``room``: the share cap) and at
+        least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one."""
         if missing <= 0 or now - self.last < SPARE_WAIT_S:
             return 0
         idle = [
@@ -139,7 +138,6 @@ class Spares:
         total = sum(rates.values())
         self.last = now
         self.covered |= behind
-        # every peer that owes samples is behind: what the step lacks goes to the idle ones, by rate
         self.offered = {}
         for s in idle:
             fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)

@@ -346,8 +346,7 @@ class RunState:
         self._wake()
         # (the members of the last round were moved to this step as it formed: a peer still at the step
         # before took no part in that round, asleep or late; it can bring nothing to this one, and waiting
-        # for it held every step after a sleeper's by up to its answer time, 0.2-0.4 s on the heavy-tail
-        # bench, gather_s while untimed)
+        # for it held the close after a sleeper's by its answer time, gather_s while never timed)
         pending = [
             p
             for p in self.peers.values()
