@@ -377,6 +377,23 @@ def test_spares_cover_the_rest_of_a_peer_behind_its_time_and_a_covered_peer_that
     assert book.tally.samples == 120  # the target, met by whoever computed it
 
 
+def test_spares_go_to_as_few_peers_done_as_cover_what_the_step_lacks():
+    """Regression (issue 27): with 16 volunteers of a micro-batch each, one asleep, every one of the 15 done
+    was offered a micro-batch for the one lacking, and computed it: steps of 1.4x the target. The fastest
+    peers done are offered a micro-batch or their part, until what the step lacks is covered."""
+    book = Ledger("run-test", 64, MICRO, 0.5, spares=True)
+    names = [f"p{i}" for i in range(8)]
+    joined(book, *names)
+    for name in names:
+        assert beat(book, name, 0, 10.0, now=0.0).allotted == 8
+    for name in names[1:]:  # p0 is asleep with its 8 (due at 0.8); the others are done at 0.8, p7 the fastest
+        assert beat(book, name, 8, 11.0 if name == "p7" else 10.0, now=0.8).done_at == 0.8
+    assert book.open_spares(1.0) == 8 and book.spares.offered == {"p7": 8}
+    assert book.spares.covered == {"p0"}
+    assert beat(book, "p7", 8, 11.0, now=1.05).allotted == 16
+    assert_tally_is_the_sum(book)
+
+
 def test_spares_open_again_for_what_the_step_still_lacks_but_not_to_a_peer_that_left_its_offer_untaken():
     book = spared()
     beat(book, "b", 8, 10.0, now=1.0)

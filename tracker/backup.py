@@ -139,7 +139,9 @@ class Spares:
         self.last = now
         self.covered |= behind
         self.offered = {}
-        for s in idle:
+        for s in sorted(idle, key=lambda s: rates[s.peer_id], reverse=True):  # (the fastest first)
+            if sum(self.offered.values()) >= missing:  # (16 peers done, 16 samples lacking: one micro-batch)
+                break
             fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
             self.offered[s.peer_id] = min(fair, room(s) - s.samples)
         return sum(self.offered.values())
