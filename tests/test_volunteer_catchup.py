@@ -22,11 +22,11 @@ AFTER = 4  # steps the late one takes after it caught up, before everyone is sto
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [0, 1])
-async def test_late_volunteer_catches_up_while_training_and_then_matches_the_others(tmp_path, delay):
+async def test_late_volunteer_catches_up_and_then_matches_the_others(tmp_path, delay):
     """With delay 1 too: the first two compute each step ahead while the newcomer catches up, and still
     leave it its share of the steps once it has."""
     model = {"recipe": "tiny-gpt", "args": {"d_model": 64, "n_layer": 2, "n_head": 4, "seq_len": 32}}
-    # Donors upload slowly, so the download takes a few seconds during which the newcomer trains.
+    # Donors upload slowly, so the download takes a few seconds (during which the newcomer computes nothing).
     state = StateConfig(range_bytes=64 * KiB, upload_rate=256 * KiB)
     seen: list[ev.Event] = []
     recs = {i: Recorder() for i in range(3)}
@@ -63,12 +63,12 @@ async def test_late_volunteer_catches_up_while_training_and_then_matches_the_oth
 
     caught = summaries[2].caught_up_to
     assert caught is not None and caught >= LATE_AT, summaries[2]
-    # It trained during the download: it computed micro-batches between the start and the end of it (their
-    # gradients go to the rounds with weight 0, so its sample count starts again at every step).
-    started = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateSyncStarted))
+    # During the download it computed one micro-batch (its own rate, for its first share) and no more: on
+    # parameters that are not the run's, what it computes would only go to the rounds with weight 0.
+    assert any(isinstance(e, ev.StateSyncStarted) for e in seen)
     loaded = next(i for i, e in enumerate(seen) if isinstance(e, ev.StateLoaded))
-    during = [e.micro_batches for e in seen[started:loaded] if isinstance(e, ev.LocalTraining)]
-    assert len(during) >= 2 and during[-1] > during[0], during
+    before = [e.micro_batches for e in seen[:loaded] if isinstance(e, ev.LocalTraining)]
+    assert max(before, default=0) <= 1, before
     # From the step it switched at, it holds exactly the others' parameters.
     compared = 0
     for step, params in recs[2].params.items():

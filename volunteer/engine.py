@@ -201,9 +201,10 @@ class Training:
         this turn (the step's gradient was just taken early)."""
         quota = self._quota_now()
         trainer, link = self.run.trainer, self.link
-        if not self.data.sampler.ready or self.run.config.backbone:
-            # No chunk yet, or a backbone: nothing to compute, but it takes part in its group's rounds with
-            # weight 0, so its parameters stay the run's.
+        # No chunk yet, a backbone, or catching up once its rate is known (computed on parameters that are not
+        # the run's, nothing counts): it only takes part in its group's rounds, with weight 0.
+        idle = self.catchup.active and self.meter.samples_per_s > 0
+        if not self.data.sampler.ready or self.run.config.backbone or idle:
             await wait_at_most(link.changed, 0.1)
             link.changed.clear()
         elif quota is None or trainer.samples < quota:
