@@ -32,6 +32,13 @@ volunteer stopped or waiting costs the run only where a core idles).
 ``--paired`` (heavy-tail, slow, slowed) runs the stalls on and off in turns of ``--window`` seconds inside one
 run, ``--seconds`` a side, the first 2 s of each turn left out: its "× none" is against the turns without
 stalls of the same run, so the machine's drift falls on both sides alike.
+
+``--oracle`` (heavy-tail; an instrument, not a rule) tells the tracker, which runs in this process, which
+volunteer is stopped the moment it is stopped, as no rule can know: the rest of its share counts as
+behind at once (spares open without waiting for the first peer done to wait), and a close does not wait
+for its ready call. What a run gains with it bounds what any rule that finds a sleeper sooner could gain:
+
+    .venv/bin/python bench/stragglers.py --paired --seconds 60 --scenarios heavy-tail --rules on --oracle
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import random
 import signal
@@ -77,6 +85,12 @@ def parse_args() -> argparse.Namespace:
         "against the turns without (--seconds a side): the machine's drift falls on both alike",
     )
     ap.add_argument("--window", type=float, default=20.0, help="seconds of a turn (--paired)")
+    ap.add_argument(
+        "--oracle",
+        action="store_true",
+        help="heavy-tail: the tracker is told who is stopped, the moment it is (the most finding a sleeper "
+        "sooner could gain)",
+    )
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument(
         "--device",
@@ -133,7 +147,8 @@ async def stall(
             await asyncio.sleep(args.tick)
             for p in procs:
                 if rng.random() < args.p:
-                    asyncio.get_running_loop().create_task(_stop_for(pid(p), 9 * args.tick))
+                    told = ORACLE.peer_of(p) if args.oracle else None
+                    asyncio.get_running_loop().create_task(_stop_for(pid(p), 9 * args.tick, told))
     elif scenario == "slowed":
         groups = [CpuGroup.of(pid(p), f"crowdtrain-bench-{p.name}") for p in procs]
         tenth = max(0.01, min(1.0, cores() / len(procs)) / 10)  # of a core: a tenth of its share here
@@ -218,14 +233,78 @@ def paired_side(turns: list[Turn], closed: list[float], on: bool) -> tuple[float
 STALLS: list[tuple[int, float, float]] = []  # (pid, wall start, wall end) of each stall made (--timeline)
 
 
-async def _stop_for(pid: int, seconds: float) -> None:
+async def _stop_for(pid: int, seconds: float, told: str | None = None) -> None:
+    """Stop ``pid`` for ``seconds`` (``told``: its peer id, which the oracle then knows asleep)."""
     STALLS.append((pid, time.time(), time.time() + seconds))
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGSTOP)
+        ORACLE.stopped(told, 1)
         try:
             await asyncio.sleep(seconds)
         finally:
+            ORACLE.stopped(told, -1)
             os.kill(pid, signal.SIGCONT)
+
+
+class Oracle:
+    """``--oracle``: the tracker in this process knows which volunteers are stopped (``asleep``). Installed
+    around the tracker's own functions, its code unchanged: a peer asleep is past its time at once
+    (``backup._due``), spares open without the first peer done waiting while one asleep owes samples
+    (``Spares.open`` with the waits at 0 for that call), and a close does not wait for its ready call
+    (``collab.answer_wait``)."""
+
+    def __init__(self) -> None:
+        self.asleep: set[str] = set()
+        self._stops: dict[str, int] = {}  # (stalls of one volunteer may overlap)
+        self._installed = False
+
+    def stopped(self, peer_id: str | None, change: int) -> None:
+        if peer_id is None:
+            return
+        self._stops[peer_id] = self._stops.get(peer_id, 0) + change
+        if self._stops[peer_id] > 0:
+            self.asleep.add(peer_id)
+        else:
+            self.asleep.discard(peer_id)
+
+    @staticmethod
+    def peer_of(p: Proc) -> str | None:
+        joined = [e.peer_id for e in p.events if type(e).__name__ == "Joined"]
+        return joined[-1] if joined else None
+
+    def install(self) -> None:
+        from crowdtrain.tracker import backup, collab
+
+        if self._installed:
+            return
+        self._installed = True
+        asleep, due, open_spares, answer_wait = (
+            self.asleep,
+            backup._due,
+            backup.Spares.open,
+            collab.answer_wait,
+        )
+
+        def told_due(share: Any) -> float:
+            return -math.inf if share.peer_id in asleep else due(share)
+
+        def told_open(spares: Any, at_step: list, *rest: Any) -> int:
+            if not any(s.peer_id in asleep and s.allotted > s.samples for s in at_step):
+                return open_spares(spares, at_step, *rest)
+            waits = backup.SPARE_WAIT_S, backup.SPARE_FRACTION
+            backup.SPARE_WAIT_S = backup.SPARE_FRACTION = 0.0
+            try:
+                return open_spares(spares, at_step, *rest)
+            finally:
+                backup.SPARE_WAIT_S, backup.SPARE_FRACTION = waits
+
+        def told_wait(peer: Any, *rest: Any, **kw: Any) -> float:
+            return 0.0 if peer.peer_id in asleep else answer_wait(peer, *rest, **kw)
+
+        backup._due, backup.Spares.open, collab.answer_wait = told_due, told_open, told_wait
+
+
+ORACLE = Oracle()
 
 
 async def _slow_for(pid: int, group: CpuGroup, cores_: float, seconds: float) -> None:
@@ -498,6 +577,8 @@ def cells(row: dict, base: dict | None) -> list[str]:
 async def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.oracle:
+        ORACLE.install()
     if args.tracker_log:
         Path(args.tracker_log).parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(args.tracker_log)
