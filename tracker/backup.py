@@ -9,7 +9,8 @@ ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.m
   waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and a peer that still owes samples is behind its time
   (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step still
   lacks beyond the rest of the peers on time is offered to the peers that owe nothing, by rate, each within
-  its room and a micro-batch at least; the peers on time keep their shares. The peers behind are covered
+  its room and a micro-batch at least, the fastest first and to no more of them than cover what it lacks;
+  the peers on time keep their shares. The peers behind are covered
   (one that reports is cut to what it holds), except one that has not reported at the step since its round
   moved it there: it may still be in its round (held by a member asleep, or sending its answers up a home
   line), so it keeps its share and is waited for at the close.
@@ -95,7 +96,9 @@ class Spares:
         too (one fell asleep computing them), and then not to a peer that left its last offer untaken. They
         go to the peers that compute and owe nothing (done with the step, or idle at it with nothing
         allotted: one back from a catch-up), by rate, each within its room (``room``: the share cap) and at
-        least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one."""
+        least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one; the
+        fastest first, until the offers cover what the step lacks (sixteen peers done, one micro-batch
+        lacking: one peer computes it, not fifteen)."""
         if missing <= 0 or now - self.last < SPARE_WAIT_S:
             return 0
         idle = [

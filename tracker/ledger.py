@@ -43,7 +43,7 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   SPARE_MARGIN_S or SPARE_FRACTION of that rest; one that has not reported at the step since its round
   moved it there keeps its share: its round may still be under way), the peers that owe nothing (done with the step, or idle at
   it with nothing allotted) are allotted what the step still lacks, by rate, each within its share cap and a
-  micro-batch at least (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
+  micro-batch at least, the fastest first until it is covered (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
   peer that left its offer untaken gets none then). The allotments then sum above the target; the step
   closes on whoever reaches it. A covered peer that reports again (its step watch answers, so a
   live one reports at once) is allotted what it holds: it stops, and the spares compute its rest, so the
