@@ -35,8 +35,8 @@ stalls of the same run, so the machine's drift falls on both sides alike.
 
 ``--oracle`` (heavy-tail; an instrument, not a rule) tells the tracker, which runs in this process, which
 volunteer is stopped the moment it is stopped, as no rule can know: the rest of its share counts as
-behind at once (spares open without waiting for the first peer done to wait), and a close does not wait
-for its ready call. What a run gains with it bounds what any rule that finds a sleeper sooner could gain:
+behind at once (spares open without the wait after the first peer done), and a close does not wait for
+its ready call. What a run gains with it bounds what any rule that finds a sleeper sooner could gain:
 
     .venv/bin/python bench/stragglers.py --paired --seconds 60 --scenarios heavy-tail --rules on --oracle
 """
