@@ -141,13 +141,14 @@ class Spares:
         total = sum(rates.values())
         self.last = now
         self.covered |= behind
-        self.offered = {}
+        self.offered, offered = {}, 0
         for s in sorted(idle, key=lambda s: rates[s.peer_id], reverse=True):  # (the fastest first)
-            if sum(self.offered.values()) >= missing:  # (16 peers done, 16 samples lacking: one micro-batch)
+            if offered >= missing:  # (16 peers done, 16 samples lacking: one micro-batch)
                 break
             fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
             self.offered[s.peer_id] = min(fair, room(s) - s.samples)
-        return sum(self.offered.values())
+            offered += self.offered[s.peer_id]
+        return offered
 
     def _share_rest(
         self,
