@@ -96,9 +96,8 @@ class Spares:
         too (one fell asleep computing them), and then not to a peer that left its last offer untaken. They
         go to the peers that compute and owe nothing (done with the step, or idle at it with nothing
         allotted: one back from a catch-up), by rate, each within its room (``room``: the share cap) and at
-        least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one; the
-        fastest first, until the offers cover what the step lacks (sixteen peers done, one micro-batch
-        lacking: one peer computes it, not fifteen)."""
+        least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one
+        (:meth:`_offer`)."""
         if missing <= 0 or now - self.last < SPARE_WAIT_S:
             return 0
         idle = [
@@ -138,12 +137,25 @@ class Spares:
         missing -= sum(s.allotted - s.samples for s in on_time)
         if missing <= 0:
             return 0
-        total = sum(rates.values())
         self.last = now
         self.covered |= behind
+        return self._offer(idle, rates, missing, micro, room)
+
+    def _offer(
+        self,
+        idle: list[Share],
+        rates: dict[str, float],
+        missing: int,
+        micro: int,
+        room: Callable[[Share], int],
+    ) -> int:
+        """Offer the ``missing`` samples to the ``idle`` peers by rate, each its part and a micro-batch at
+        least, within its room; the fastest first, until the offers cover them (16 peers done and one
+        micro-batch lacking: one peer computes it, not 15). Returns the samples offered."""
+        total = sum(rates.values())
         self.offered, offered = {}, 0
-        for s in sorted(idle, key=lambda s: rates[s.peer_id], reverse=True):  # (the fastest first)
-            if offered >= missing:  # (16 peers done, 16 samples lacking: one micro-batch)
+        for s in sorted(idle, key=lambda s: rates[s.peer_id], reverse=True):
+            if offered >= missing:
                 break
             fair = max(math.ceil(missing * rates[s.peer_id] / total), micro)
             self.offered[s.peer_id] = min(fair, room(s) - s.samples)
