@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 RESUME_PREFIX = ".resume-"
 PRIORITY_TIERS = (7, 6, 5, 4, 3, 2)
+STOP_TRACKER_TIMEOUT_S = 1  # how long a close waits for the trackers to answer its "stopped" announces
+RECV_TRACKER = "net.recv_tracker_bytes"  # libtorrent's counters (session stats) a close watches
+QUEUED_ANNOUNCES = "tracker.num_queued_tracker_announces"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,7 @@ def _settings(cfg: SessionConfig, fingerprint: str) -> lt.settings_pack:
         "min_announce_interval": cfg.min_announce_interval_s,
         "tracker_backoff": 50,
         "tick_interval": 100,
-        "stop_tracker_timeout": 1,  # seconds the shutdown waits for "stopped" announces
+        "stop_tracker_timeout": STOP_TRACKER_TIMEOUT_S,  # seconds a close waits for "stopped" announces
         "initial_picker_threshold": 0,
         "ignore_limits_on_local_network": not cfg.limit_local_peers,
         "upload_rate_limit": cfg.upload_rate_limit,
@@ -377,6 +380,7 @@ class TorrentSession:
         self._pump: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._closing = False
+        self._stats_asked: asyncio.Future[dict[str, int]] | None = None  # see _session_stats
         self._mapped: dict[int, tuple[str, int]] = {}  # libtorrent's mapping index -> (what, local port)
         self.port_maps: dict[tuple[str, str], PortMap] = {}  # (what, via) -> the router's last answer
         self.on_port_map: Callable[[PortMap], None] | None = None  # called with each new answer
@@ -452,6 +456,7 @@ class TorrentSession:
         try:
             if self._failure is None:
                 await self._save_all_resume()
+                await self._stop_announcing()
         finally:
             self._closing = True
             if self._pump is not None:
@@ -628,6 +633,10 @@ class TorrentSession:
             return None
 
     async def _dispatch(self, alert: lt.alert) -> None:
+        if isinstance(alert, lt.session_stats_alert):
+            if self._stats_asked is not None and not self._stats_asked.done():
+                self._stats_asked.set_result(dict(alert.values))
+            return
         if isinstance(alert, lt.alerts_dropped_alert):
             log.warning("libtorrent dropped alerts; a file-progress scan will catch up")
             return
@@ -637,6 +646,45 @@ class TorrentSession:
         dl = self._download_of(alert)
         if dl is not None:
             await dl.on_alert(alert)
+
+    # -------------------------------------------------------------- shutdown
+
+    async def _stop_announcing(self) -> None:
+        """Remove every torrent, which sends its "stopped" announces now, and give the trackers up to
+        ``stop_tracker_timeout`` to answer while this event loop is free. Left to libtorrent's destructor,
+        that wait holds the GIL: the whole process stalls for it (every volunteer and a tracker of the same
+        process, which then cannot answer, so the stall lasts the whole timeout: 1 s per session measured
+        here), and the tracker keeps the peer in its swarm until its entry expires."""
+        if not self._downloads:
+            return
+        ses = self._session()
+        before = await self._session_stats()
+        for dl in self._downloads.values():
+            ses.remove_torrent(dl.handle)
+        if before is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_TRACKER_TIMEOUT_S
+        while loop.time() < deadline:
+            await asyncio.sleep(0.02)
+            now = await self._session_stats()
+            if now is None:
+                return
+            # (a reply came and no announce waits to go out: libtorrent's shutdown has nothing to wait for)
+            if now[RECV_TRACKER] > before[RECV_TRACKER] and now[QUEUED_ANNOUNCES] == 0:
+                return
+
+    async def _session_stats(self) -> dict[str, int] | None:
+        """libtorrent's counters (``session_stats_alert``, through the alert pump); None if none came in 1 s."""
+        asked = self._stats_asked = asyncio.get_running_loop().create_future()
+        self._session().post_session_stats()
+        try:
+            async with asyncio.timeout(1.0):
+                return await asyncio.shield(asked)
+        except TimeoutError:
+            return None
+        finally:
+            self._stats_asked = None
 
     # -------------------------------------------------------------- resume data
 

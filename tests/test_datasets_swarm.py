@@ -26,7 +26,7 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import DatasetError
 from crowdtrain.protocol.messages import DatasetManifest
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.server import serve
+from crowdtrain.tracker.server import Tracker, serve
 from tests.harness import until
 
 KiB = 1024
@@ -40,6 +40,7 @@ class Published:
     torrent: bytes
     src: Path
     announce_url: str
+    tracker: Tracker
 
 
 @contextlib.asynccontextmanager
@@ -54,7 +55,7 @@ async def published(tmp_path: Path, *, size: int, chunk: int) -> AsyncIterator[P
         torrent = find_torrent(src).read_bytes()
         async with TrackerClient(tracker.url, admin_token=tracker.admin_token) as client:
             await client.register_dataset(infohash_of(torrent), manifest.name)
-        yield Published(manifest, torrent, src, tracker.announce_url)
+        yield Published(manifest, torrent, src, tracker.announce_url, tracker)
         # libtorrent's shutdown leaves its "stopped" announce connections to close on their own; a tracker
         # stopped in the middle of one leaks its server-side transport (ResourceWarning), so let them finish
         await asyncio.sleep(0.5)
@@ -212,6 +213,23 @@ async def test_a_restarted_downloader_does_not_fetch_verified_chunks_again(tmp_p
         missing_bytes = sum(c.bytes for i, c in enumerate(pub.manifest.chunks) if i not in held_before)
         missing_bytes += (pub.src / MANIFEST_NAME).stat().st_size
         assert 0 < fetched <= missing_bytes, (fetched, missing_bytes)
+
+
+async def test_a_closing_session_leaves_the_loop_free_and_its_tracker_hears_it_leave(tmp_path):
+    """Regression (a CI failure): libtorrent's destructor waited for the "stopped" announce holding the GIL, so a
+    tracker on the same event loop could not answer it: every close froze the whole process for the announce's
+    timeout (1 s), every volunteer of a test with it, and a step closed without one that could not say "ready"
+    meanwhile. A close now removes its torrents and waits for the trackers' answers with the loop free: the
+    tracker has dropped the peer from the swarm by the time ``close`` returns."""
+    async with published(tmp_path, size=256 * KiB, chunk=64 * KiB) as pub:
+        ses = await TorrentSession().start()
+        await ses.seed(pub.src, pub.torrent)
+        swarm = pub.tracker.swarms.get(bytes.fromhex(infohash_of(pub.torrent)))
+        mine = ses.fingerprint.encode()
+        listed = lambda: any(p.peer_id.startswith(mine) for p in swarm.peers)  # noqa: E731
+        await until(listed, WAIT_S, "the seeder's first announce")
+        await ses.close()
+        assert not listed(), "the tracker did not hear the seeder's stopped announce while it closed"
 
 
 async def test_seeding_an_incomplete_folder_is_refused(tmp_path):
