@@ -19,6 +19,7 @@ from crowdtrain.protocol import bencode
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.server import serve
+from tests.harness import until
 from tests.sim import make_torrent
 
 IH = hashlib.sha1(b"registered").digest()
@@ -214,7 +215,17 @@ async def test_a_real_libtorrent_session_announces(tracker, tmp_path):
     )
     peers = reply[b"peers"]
     assert (peers[:4], int.from_bytes(peers[4:6], "big")) == (bytes([127, 0, 0, 1]), listen_port)
+    # removed, it says "stopped": the tracker forgets it (and libtorrent's destructor, which holds the GIL while
+    # it waits for that announce, up to 5 s, finds nothing left to wait for)
     ses.remove_torrent(handle)
+
+    async def forgotten() -> bool:
+        _, reply = await announce(
+            tracker.url, info_hash=bytes.fromhex(bencode.infohash_v1(torrent)), peer_id=peer_id(9)
+        )
+        return reply[b"peers"] == b""
+
+    await until(forgotten, 30, "the tracker forgetting the peer on its stopped announce")
     del ses
 
 
