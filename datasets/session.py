@@ -680,7 +680,7 @@ class TorrentSession:
         self._session().post_session_stats()
         try:
             async with asyncio.timeout(1.0):
-                return await asyncio.shield(asked)
+                return await asked
         except TimeoutError:
             return None
         finally:
