@@ -38,12 +38,21 @@ def closed_port() -> int:
 
 
 async def until(
-    predicate: Callable[[], bool | Awaitable[bool]], within_s: float, what: str, *, every_s: float = 0.1
+    predicate: Callable[[], bool | Awaitable[bool]],
+    within_s: float,
+    what: str,
+    *,
+    every_s: float = 0.1,
+    watching: Sequence[asyncio.Task[Any]] = (),
 ) -> None:
     """Ask ``predicate`` (a function, or an async one) every ``every_s`` until it holds; fail naming ``what``
-    after ``within_s``."""
+    after ``within_s``, or at once with the error of a task in ``watching`` that failed (a volunteer that
+    could not join would otherwise show only as the wait running out)."""
     deadline = time.monotonic() + within_s
     while True:
+        for task in watching:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise AssertionError(f"{what} cannot happen: {task.get_name()} failed") from task.exception()
         held = predicate()
         if inspect.isawaitable(held):
             held = await held

@@ -150,7 +150,13 @@ async def test_the_example_cnn_trains_with_two_volunteers_and_exports(tmp_path):
         assert run.spec.model.args == {"channels": 16, "classes": 10, "seed": 0}  # pinned, defaults filled in
         vols = volunteers(run, tmp_path, 2)
         tasks = [asyncio.create_task(v.run()) for v in vols]
-        await until(lambda: min(v.summary.steps_done for v in vols) >= 30, 150, "30 steps", every_s=0.05)
+        await until(
+            lambda: min(v.summary.steps_done for v in vols) >= 30,
+            150,
+            "30 steps",
+            every_s=0.05,
+            watching=tasks,
+        )
         out = tmp_path / "export" / "model.safetensors"
         exported: dict = {}
 
@@ -161,7 +167,7 @@ async def test_the_example_cnn_trains_with_two_volunteers_and_exports(tmp_path):
                 return False
             return True
 
-        await until(export, 60, "an export of the state", every_s=0.2)
+        await until(export, 60, "an export of the state", every_s=0.2, watching=tasks)
         for v in vols:
             v.stop()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)

@@ -55,7 +55,9 @@ async def test_volunteers_evaluate_the_held_out_split_and_status_page_and_json_s
                     evals = (await client.status(run.spec.run_id)).evals
                     return len(evals) >= n and evals[0].reports == 2
 
-                await until(lambda: evaluated(3), 180, "three held-out evaluations by both volunteers")
+                await until(
+                    lambda: evaluated(3), 180, "three held-out evaluations by both volunteers", watching=tasks
+                )
                 status = await client.status(run.spec.run_id)
             newest = status.evals[0]
             assert [e.step for e in status.evals] == sorted({e.step for e in status.evals}, reverse=True)

@@ -126,13 +126,14 @@ async def test_a_late_volunteer_catches_up_to_the_outer_state_and_then_matches_t
 
         early = [make(0), make(1)]
         tasks = [asyncio.create_task(v.run()) for v in early]
-        await until(lambda: min(v.step for v in early) >= 5, 120, "round 5 of the first two")
+        await until(lambda: min(v.step for v in early) >= 5, 120, "round 5 of the first two", watching=tasks)
         late = make(2)
         tasks.append(asyncio.create_task(late.run()))
         await until(
             lambda: late.summary.caught_up_to is not None and late.summary.steps_done >= 3,
             200,
             "the late one's catch-up and three rounds after it",
+            watching=tasks,
         )
         for v in (*early, late):
             v.stop()

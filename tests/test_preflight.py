@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -180,6 +183,29 @@ def test_wrap_seeds_an_existing_modules_own_initialisation():
     assert recipe.validate_args({}) == {"width": 4, "seed": 0}
     with pytest.raises(RecipeError, match=r"argument 'width' must be a int"):
         recipe.validate_args({"width": "wide"})
+
+
+def test_wrapped_builds_in_threads_at_once_give_the_same_values():
+    """Two volunteers of one process build in threads at the same time; the seeded global RNG is one for the
+    process, so each build must hold it from its seed to its last draw (the CI failure of
+    test_the_example_cnn_trains_with_two_volunteers_and_exports: one volunteer's build interleaved with the
+    other's and refused its own init_hash)."""
+
+    def make(width: int) -> torch.nn.Module:
+        first = torch.nn.Linear(width, width)
+        time.sleep(0.02)  # the GIL goes to the other build, as torch's own kernels let it
+        return torch.nn.Sequential(first, torch.nn.Linear(width, width))
+
+    recipe = wrap("two-layers", "arrays", make, args={"width": 8})
+    alone = initial_hash(recipe.build({}))
+    start = threading.Barrier(4)
+
+    def build_at_once(_: int) -> str:
+        start.wait()
+        return initial_hash(recipe.build({}))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(build_at_once, range(4))) == [alone] * 4
 
 
 async def test_a_volunteer_refuses_token_ids_beyond_the_vocabulary_of_a_spec_made_without_the_preflight(

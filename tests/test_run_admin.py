@@ -29,7 +29,9 @@ async def test_closing_a_live_run_makes_its_volunteers_leave_and_refuses_joins(t
         run_id = run.spec.run_id
         vols = volunteers(run, tmp_path, 2, emit=watch)
         tasks = [asyncio.create_task(v.run()) for v in vols]
-        await until(lambda: min(v.summary.steps_done for v in vols) >= 2, 120, "two steps taken")
+        await until(
+            lambda: min(v.summary.steps_done for v in vols) >= 2, 120, "two steps taken", watching=tasks
+        )
         out = await cli(
             cli_env,
             "run",

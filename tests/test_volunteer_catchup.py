@@ -47,7 +47,12 @@ async def test_late_volunteer_catches_up_and_then_matches_the_others(tmp_path, d
     async with published_run(tmp_path, model=model, target_batch_size=64, averaging={"delay": delay}) as run:
         early = [make(0), make(1)]
         tasks = [asyncio.create_task(v.run()) for v in early]
-        await until(lambda: min(v.step for v in early) >= LATE_AT, 120, f"step {LATE_AT} of the first two")
+        await until(
+            lambda: min(v.step for v in early) >= LATE_AT,
+            120,
+            f"step {LATE_AT} of the first two",
+            watching=tasks,
+        )
         late = make(2, emit=seen.append)
         tasks.append(asyncio.create_task(late.run()))
         # the run goes on (it has no last step) until the late one caught up and stepped with the others:
@@ -56,6 +61,7 @@ async def test_late_volunteer_catches_up_and_then_matches_the_others(tmp_path, d
             lambda: late.summary.caught_up_to is not None and late.summary.steps_done >= AFTER,
             200,
             f"the late one's catch-up and {AFTER} steps after it",
+            watching=tasks,
         )
         for v in (*early, late):
             v.stop()

@@ -89,7 +89,9 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                     step = await global_step()
                     return step >= n and (await client.status(run_id)).peers_online == 3
 
-                await until(lambda: reached(3), 120, "step 3 with three peers online", every_s=0.2)
+                await until(
+                    lambda: reached(3), 120, "step 3 with three peers online", every_s=0.2, watching=tasks
+                )
                 first = await browse(url, tmp_path / "profile", "--dump-dom")
                 shown = int(field(first, "step"))
                 assert shown >= step >= 3
@@ -104,7 +106,9 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 # one point a closed step (each has its peers' loss), at least as many as had closed
                 assert points(first, "loss-line") >= step, field(first, "loss-label")
                 assert "every step · codec none" in first and field(first, "group-size") == "4"
-                await until(lambda: min(v.step for v in vols) >= shown + 3, 120, "three more steps")
+                await until(
+                    lambda: min(v.step for v in vols) >= shown + 3, 120, "three more steps", watching=tasks
+                )
                 second = await browse(url, tmp_path / "profile", "--dump-dom")
                 assert int(field(second, "step")) > shown
                 assert points(second, "loss-line") > points(first, "loss-line")

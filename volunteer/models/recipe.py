@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -24,6 +25,10 @@ from crowdtrain.protocol.errors import RecipeError
 
 Kind = Literal["tokens", "arrays"]
 ArgValue = int | float | str | bool
+
+# torch's global RNG is one for the whole process: a wrapped build holds it from its seed to its last draw,
+# or two builds in threads at once (two volunteers of one process) interleave their draws
+_GLOBAL_RNG = threading.Lock()
 
 
 @runtime_checkable
@@ -209,7 +214,9 @@ class ModuleRecipe:
 
     ``build`` calls ``make(**args)`` (every argument but ``seed``) inside a forked global RNG seeded by
     ``seed``, so the module's own default initialisation gives every volunteer the same values; the model is
-    float32 on the CPU.
+    float32 on the CPU. Builds in one process take turns (the global RNG is the process's); other code that
+    draws from it meanwhile (a model with dropout training in another thread) would still change the values,
+    which the volunteer's ``init_hash`` check then refuses.
     """
 
     name: str
@@ -229,7 +236,7 @@ class ModuleRecipe:
     def build(self, args: Mapping[str, Any]) -> torch.nn.Module:
         full = self.validate_args(args)
         kwargs = {k: v for k, v in full.items() if k != "seed"}
-        with torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):  # the caller's RNG is left as it was
             torch.manual_seed(int(full["seed"]))
             model = self.make(**kwargs)
         if not isinstance(model, torch.nn.Module):
