@@ -15,6 +15,8 @@
 * Settings measured on loopback (:func:`_settings`): TCP only (uTP was several times slower there), several
   connections per IP (peers on one host are dropped as duplicates otherwise), no DHT/LSD/UPnP/NAT-PMP, short
   announce intervals, and rate limits applied to local peers when configured.
+* A session on every interface listens on loopback alone while all its torrents' trackers are on loopback:
+  libtorrent announces from each interface, and the network card's announces to 127.0.0.1 left by the card.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import libtorrent as lt
 
@@ -101,6 +104,16 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host.lower().rstrip(".") == "localhost"
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` (a listen interface) means every interface: ``0.0.0.0`` or ``::``."""
+    return host.strip("[]") in ("0.0.0.0", "::")
+
+
+def tracker_hosts(torrent_bytes: bytes) -> list[str]:
+    """The hosts of a torrent's announce URLs (a torrent parsed and bounded before)."""
+    return [urlsplit(url).hostname or "" for url in lt.load_torrent_buffer(torrent_bytes).trackers]
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,6 +394,9 @@ class TorrentSession:
         self._failure: BaseException | None = None
         self._closing = False
         self._stats_asked: asyncio.Future[dict[str, int]] | None = None  # see _session_stats
+        self._listen = self.config.listen  # what it listens on once started (the port taken when 0)
+        self._listening = ""  # what libtorrent was last told to listen on (see _fit_listen)
+        self._trackers: dict[str, list[str]] = {}  # infohash -> the hosts it announces to
         self._mapped: dict[int, tuple[str, int]] = {}  # libtorrent's mapping index -> (what, local port)
         self.port_maps: dict[tuple[str, str], PortMap] = {}  # (what, via) -> the router's last answer
         self.on_port_map: Callable[[PortMap], None] | None = None  # called with each new answer
@@ -396,6 +412,7 @@ class TorrentSession:
                 # its own port, so peers and the tracker would see a port other than the one announced on
                 # their interface: take one free port for all of them
                 config = replace(config, listen=f"{host}:{_free_port(host)}")
+            self._listen = self._listening = config.listen
             self._ses = await asyncio.to_thread(lt.session, _settings(config, self.fingerprint))
             self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="libtorrent-alerts")
             self._pump.add_done_callback(self._pump_done)
@@ -472,6 +489,7 @@ class TorrentSession:
             self._mapped.clear()
             holder, self._ses = [self._ses], None
             self._downloads.clear()
+            self._trackers.clear()
             # the last reference goes away in the worker thread: libtorrent's destructor blocks while it
             # sends the "stopped" announces, which a tracker on this very event loop must be free to answer
             await asyncio.to_thread(_shutdown, holder)
@@ -579,6 +597,8 @@ class TorrentSession:
             atp.file_priorities = priorities
         # not auto-managed: libtorrent's queue must never pause a data set the volunteer trains on
         atp.flags &= ~(lt.torrent_flags.auto_managed | lt.torrent_flags.paused | lt.torrent_flags.seed_mode)
+        self._trackers[infohash] = tracker_hosts(torrent_bytes)
+        self._fit_listen()
         handle = ses.add_torrent(atp)
         # registered before the next await, so the alert loop finds it for the torrent's first alerts
         dl = self._downloads[infohash] = Download(handle, infohash, manifest, data_dir, on_chunk)
@@ -593,6 +613,7 @@ class TorrentSession:
             await dl.verify_complete_files()
         except TimeoutError:
             self._downloads.pop(infohash, None)
+            self._trackers.pop(infohash, None)
             with contextlib.suppress(RuntimeError):
                 ses.remove_torrent(handle)  # else adding the data set again would find it still there
             raise DatasetError(
@@ -601,10 +622,28 @@ class TorrentSession:
             ) from None
         except BaseException:
             self._downloads.pop(infohash, None)
+            self._trackers.pop(infohash, None)
             with contextlib.suppress(RuntimeError):
                 ses.remove_torrent(handle)
             raise
         return dl
+
+    def _fit_listen(self) -> None:
+        """Listen on loopback alone while every tracker of this session's torrents is on loopback.
+
+        On every interface, libtorrent announces from each one, bound to its device: to a tracker on
+        127.0.0.1 the other interfaces' connections leave by the network card (SYNs to 127.0.0.1 seen on
+        eth0 here) and time out, a warning each. A swarm whose tracker is on loopback is on this machine
+        alone, so no other interface is worth listening on meanwhile."""
+        host, _, port = self._listen.rpartition(":")
+        if not is_wildcard(host):
+            return
+        hosts = [h for of_one in self._trackers.values() for h in of_one]
+        local = bool(hosts) and all(is_loopback(h) for h in hosts)
+        want = listen_address("::1" if ":" in host else "127.0.0.1", int(port)) if local else self._listen
+        if want != self._listening:
+            self._session().apply_settings({"listen_interfaces": want})
+            self._listening = want
 
     # -------------------------------------------------------------- alert loop
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import ipaddress
+import json
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +233,34 @@ async def test_a_closing_session_leaves_the_loop_free_and_its_tracker_hears_it_l
         await until(listed, WAIT_S, "the seeder's first announce")
         await ses.close()
         assert not listed(), "the tracker did not hear the seeder's stopped announce while it closed"
+
+
+def _other_interfaces() -> list[str]:
+    """This machine's IPv4 addresses but loopback's (``ip -j``)."""
+    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    return [
+        a["local"]
+        for i in json.loads(out)
+        for a in i.get("addr_info", [])
+        if not a["local"].startswith("127.")
+    ]
+
+
+async def test_a_session_on_every_interface_announces_to_a_loopback_tracker_from_loopback_alone(tmp_path):
+    """libtorrent announces from each interface it listens on, bound to that interface's device: to a tracker
+    on 127.0.0.1 the network card's connection left by the card (SYNs to 127.0.0.1 seen on eth0) and timed
+    out, a warning each. A session on every interface whose trackers are all on loopback listens there
+    alone: a swarm such a tracker keeps is on this machine."""
+    if not _other_interfaces():
+        pytest.skip("this machine has no interface but loopback: no announce can leave by another")
+    async with published(tmp_path, size=256 * KiB, chunk=64 * KiB) as pub:
+        async with TorrentSession() as ses:  # every interface, as a volunteer's default
+            dl = await ses.seed(pub.src, pub.torrent)
+            swarm = pub.tracker.swarms.get(bytes.fromhex(infohash_of(pub.torrent)))
+            mine = ses.fingerprint.encode()
+            await until(lambda: any(p.peer_id.startswith(mine) for p in swarm.peers), WAIT_S, "an announce")
+            ends = [e["local_address"][0] for t in dl.handle.trackers() for e in t["endpoints"]]
+            assert ends and all(ipaddress.ip_address(a).is_loopback for a in ends), ends
 
 
 async def test_seeding_an_incomplete_folder_is_refused(tmp_path):
