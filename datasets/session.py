@@ -640,7 +640,9 @@ class TorrentSession:
             return
         hosts = [h for of_one in self._trackers.values() for h in of_one]
         local = bool(hosts) and all(is_loopback(h) for h in hosts)
-        want = listen_address("::1" if ":" in host else "127.0.0.1", int(port)) if local else self._listen
+        # (an IPv6 wildcard's trackers may be on either loopback)
+        loopback = f"127.0.0.1:{port},[::1]:{port}" if ":" in host else f"127.0.0.1:{port}"
+        want = loopback if local else self._listen
         if want != self._listening:
             self._session().apply_settings({"listen_interfaces": want})
             self._listening = want
