@@ -395,7 +395,6 @@ class TorrentSession:
         self._closing = False
         self._stats_asked: asyncio.Future[dict[str, int]] | None = None  # see _session_stats
         self._listen = self.config.listen  # what it listens on once started (the port taken when 0)
-        self._listening = ""  # what libtorrent was last told to listen on (see _fit_listen)
         self._trackers: dict[str, list[str]] = {}  # infohash -> the hosts it announces to
         self._mapped: dict[int, tuple[str, int]] = {}  # libtorrent's mapping index -> (what, local port)
         self.port_maps: dict[tuple[str, str], PortMap] = {}  # (what, via) -> the router's last answer
@@ -412,7 +411,7 @@ class TorrentSession:
                 # its own port, so peers and the tracker would see a port other than the one announced on
                 # their interface: take one free port for all of them
                 config = replace(config, listen=f"{host}:{_free_port(host)}")
-            self._listen = self._listening = config.listen
+            self._listen = config.listen
             self._ses = await asyncio.to_thread(lt.session, _settings(config, self.fingerprint))
             self._pump = asyncio.get_running_loop().create_task(self._run_pump(), name="libtorrent-alerts")
             self._pump.add_done_callback(self._pump_done)
@@ -643,9 +642,9 @@ class TorrentSession:
         # (an IPv6 wildcard's trackers may be on either loopback)
         loopback = f"127.0.0.1:{port},[::1]:{port}" if ":" in host else f"127.0.0.1:{port}"
         want = loopback if local else self._listen
-        if want != self._listening:
-            self._session().apply_settings({"listen_interfaces": want})
-            self._listening = want
+        ses = self._session()
+        if want != ses.get_settings()["listen_interfaces"]:
+            ses.apply_settings({"listen_interfaces": want})
 
     # -------------------------------------------------------------- alert loop
 

@@ -11,8 +11,6 @@ import asyncio
 import contextlib
 import hashlib
 import ipaddress
-import json
-import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from crowdtrain.commands.tracker import this_machine_addresses
 from crowdtrain.datasets.chunks import MANIFEST_NAME
 from crowdtrain.datasets.make import make_dataset
 from crowdtrain.datasets.sampler import Sampler
@@ -235,23 +234,12 @@ async def test_a_closing_session_leaves_the_loop_free_and_its_tracker_hears_it_l
         assert not listed(), "the tracker did not hear the seeder's stopped announce while it closed"
 
 
-def _other_interfaces() -> list[str]:
-    """This machine's IPv4 addresses but loopback's (``ip -j``)."""
-    out = subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True, check=True).stdout
-    return [
-        a["local"]
-        for i in json.loads(out)
-        for a in i.get("addr_info", [])
-        if not a["local"].startswith("127.")
-    ]
-
-
 async def test_a_session_on_every_interface_announces_to_a_loopback_tracker_from_loopback_alone(tmp_path):
     """libtorrent announces from each interface it listens on, bound to that interface's device: to a tracker
     on 127.0.0.1 the network card's connection left by the card (SYNs to 127.0.0.1 seen on eth0) and timed
     out, a warning each. A session on every interface whose trackers are all on loopback listens there
     alone: a swarm such a tracker keeps is on this machine."""
-    if not _other_interfaces():
+    if not this_machine_addresses():
         pytest.skip("this machine has no interface but loopback: no announce can leave by another")
     async with published(tmp_path, size=256 * KiB, chunk=64 * KiB) as pub:
         async with TorrentSession() as ses:  # every interface, as a volunteer's default
