@@ -126,6 +126,19 @@ def raw_size(codec: Codec, n: int) -> int:
     return 4 * chunks + kept + -(-kept // 4)
 
 
+def block(codec: Codec) -> int:
+    """Values the codec quantises together, under one scale (1 for the element-wise codecs): a vector cut
+    only at multiples of it is quantised alike however it is cut, which is what lets several groups that
+    hold the same values encode them to the same bytes."""
+    if codec is Codec.INT8:
+        return INT8_BLOCK
+    if codec is Codec.INT2:
+        return INT2_BLOCK
+    if codec is Codec.SPARSE:
+        return SPARSE_CHUNK
+    return 1
+
+
 def _sparse_counts(n: int) -> tuple[int, int]:
     """The chunks of a sparse payload of ``n`` values and the values it keeps."""
     chunks = -(-n // SPARSE_CHUNK)

@@ -31,9 +31,9 @@ def encode_frame(x: np.ndarray, codec: Codec, compressor: Compressor | None = No
 
 
 def encode_part(values: np.ndarray, config: AveragingConfig) -> bytes:
-    """A part as a peer sends it: sub-frames of ``config.subframe_elements`` values in the round's codec."""
+    """A part as a peer sends it: sub-frames of ``config.frame_elements`` values in the round's codec."""
     coder = Coder(config)
-    frames = [coder.encode(values[a:b]) for a, b in subframe_bounds(0, values.size, config.subframe_elements)]
+    frames = [coder.encode(values[a:b]) for a, b in subframe_bounds(0, values.size, config.frame_elements)]
     return b"".join(header + bytes(body) for header, body in frames)
 
 
@@ -46,7 +46,7 @@ async def _read(
             stream.feed_data(chunk)
     stream.feed_eof()
     coder = Coder(config)
-    step = config.subframe_elements
+    step = config.frame_elements
     if kept:
         storage = np.zeros(KeptPart.nbytes(config.codec, elements, step), dtype=np.uint8)
         part = KeptPart(config.codec, elements, step, storage)

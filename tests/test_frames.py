@@ -69,6 +69,7 @@ def test_frame_round_trips_shape_and_values(codec, data):
 def test_a_part_cut_into_sub_frames_reads_back_whole(codec, x, step, cuts):
     config = AveragingConfig(codec=codec, subframe_elements=step)
     body = encode_part(x, config)
+    step = config.frame_elements  # (whole blocks of a lossy codec)
     expected = np.concatenate([decoded(x[a:b], codec) for a, b in subframe_bounds(0, x.size, step)])
     y, _, nbytes = read_frames(body, config, x.size, cuts=cuts)
     assert nbytes == len(body)

@@ -21,7 +21,6 @@ import torch
 from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import GroupAssignment, SpotCheck, round_tag
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.averaging.allreduce import part_bounds
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.spotcheck import Checker
@@ -248,8 +247,15 @@ class Rounds:
                     f"this peer was left out of phase {a.phase + 1} of {a.phases} (it was asleep or too slow: "
                     "its copies came after their owners closed, or the group cut it)"
                 )
+            if result.failed_parts and a.phase > 0:
+                # (the other columns of this phase reduced those parts: zeroing them here would leave this
+                # column with another mean than theirs)
+                raise AveragingError(
+                    f"parts {list(result.failed_parts)} of phase {a.phase + 1} of {a.phases} failed: this "
+                    "column's mean is not the other columns'"
+                )
             if result.failed_parts:
-                bounds = part_bounds(result.values.size, a.parts, a.part_weights)
+                bounds = run.averager.bounds(a, result.values.size)
                 for part in result.failed_parts:
                     result.values[bounds[part][0] : bounds[part][1]] = 0.0
                 failed.append(f"phase {a.phase + 1} of {a.phases}, parts {list(result.failed_parts)}")

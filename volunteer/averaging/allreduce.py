@@ -147,6 +147,10 @@ class Averager:
     async def close(self) -> None:
         await self.sender.close()
 
+    def bounds(self, assignment: GroupAssignment, size: int) -> list[tuple[int, int]]:
+        """The parts a vector of ``size`` values is cut into in ``assignment``'s rounds."""
+        return part_bounds(size, assignment.parts, assignment.part_weights, self.config.align)
+
     async def claim_ahead(self, assignment: GroupAssignment, tag: str) -> None:
         """Tell the tracker this peer is awake for its part of a round it will join late (a spot-check comes
         first); nothing without a referee, or without a part of its own."""
@@ -233,7 +237,7 @@ class Averager:
         key = f"{a.round_id}/{tag}"
         me = self._check_group(a, tag, key)
         self._check_values(a, key, me, vector, weight, out)
-        bounds = part_bounds(vector.size, a.parts, a.part_weights)
+        bounds = self.bounds(a, vector.size)
         self.sender.prepare(tag, vector.size)
         members = {m.peer_id: m for m in a.members}
         uniform = all(m.weight == 0 for m in a.members)

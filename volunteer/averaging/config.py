@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from crowdtrain.protocol.codecs import Codec, raw_size
+from crowdtrain.protocol.codecs import Codec, block, raw_size
 from crowdtrain.protocol.errors import ConfigError
 from crowdtrain.protocol.limits import DEFAULT_LIMITS, Limits
 from crowdtrain.protocol.messages import AveragingSpec
@@ -86,6 +86,22 @@ class AveragingConfig:
         }
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def align(self) -> int:
+        """Where parts may be cut: at multiples of the codec's block (see :func:`part_bounds`)."""
+        return block(self.codec)
+
+    @property
+    def frame_elements(self) -> int:
+        """Values per sub-frame as parts are streamed: ``subframe_elements`` rounded up to whole blocks of the
+        codec (down where the limits would not take that), so that a frame of a part cut at block bounds
+        quantises whole blocks only."""
+        unit = self.align
+        up = -(-self.subframe_elements // unit) * unit
+        if up <= self.limits.max_elements and raw_size(self.codec, up) + 4096 <= self.limits.max_frame_bytes:
+            return up
+        return max(unit, self.subframe_elements // unit * unit)
 
     def max_body_bytes(self, n: int) -> int:
         """Largest encoded body accepted for a sub-frame of ``n`` values (zstd's worst case bound)."""

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from crowdtrain.protocol import peerauth
 from crowdtrain.protocol.aio import acknowledged, wait_at_most
-from crowdtrain.protocol.codecs import Residual
+from crowdtrain.protocol.codecs import Residual, transform
 from crowdtrain.protocol.errors import AuthError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
 from crowdtrain.volunteer.averaging.config import AveragingConfig
@@ -122,7 +122,7 @@ class Owner:
         """Set up my part of ``rnd``: its residual, its reducer, and my own copy already in it."""
         start, stop = rnd.bounds[rnd.my_part]
         codec = self.config.codec
-        if codec.lossy:
+        if codec.lossy and not rnd.shared:  # (a later phase's answers carry no residual)
             span = (0, vector.size) if codec.withholds else (start, stop)
             down = self._down_residuals.get(rnd.tag)
             if down is None or down[0] != span:
@@ -136,6 +136,9 @@ class Owner:
             self.config.clip_multiple,
             owner=self.peer_id,
             done=asyncio.Event(),
+            shared=frozenset(p for p, m in rnd.members.items() if m.weight > 0 or rnd.uniform)
+            if rnd.shared
+            else None,
         )
         own = vector[start:stop]
         # the mean of dense copies is dense: judge the answer by my own copy, before anything is reduced
@@ -169,12 +172,33 @@ class Owner:
         start, stop = rnd.bounds[rnd.my_part]
         assert rnd.output is not None
         out = rnd.output[start:stop]
-        terms = red.close(out)
+        digests = None
+        if rnd.shared:  # (see Round.shared)
+            if self.config.codec.lossy:
+                await asyncio.to_thread(self._quantise_own, red)
+            digests = await asyncio.to_thread(red.digests)
+        terms = red.close(out, digests)
         try:
-            for a, b in subframe_bounds(0, stop - start, self.config.subframe_elements) if terms else ():
+            for a, b in subframe_bounds(0, stop - start, self.config.frame_elements) if terms else ():
                 red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
         finally:
             red.finish(reduce_s=time.perf_counter() - t)
+
+    def _quantise_own(self, red: PartReducer) -> None:
+        """In a later phase, my own copy counts as the other members receive theirs: encoded with the round's
+        codec, without error feedback, kept in its payload like a received copy (call in a thread)."""
+        own = red.contributions.get(self.peer_id)
+        if own is None or not isinstance(own.values, np.ndarray):
+            return
+        codec, step = self.config.codec, self.config.frame_elements
+        storage = self._take_buffer(KeptPart.nbytes(codec, red.length, step))
+        kept = KeptPart(codec, red.length, step, storage)
+        norm2 = 0.0
+        for a, b in subframe_bounds(0, red.length, step):
+            raw = transform(np.ascontiguousarray(own.values[a:b]), codec)
+            kept.slot(a, b)[:] = np.frombuffer(raw, dtype=np.uint8)
+            norm2 += float(np.dot(decoded := kept.values(a, b), decoded))
+        own.values, own.storage, own.norm = kept, storage, math.sqrt(norm2)
 
     def _reduce_encode(
         self, rnd: Round, terms: list[Term], out: np.ndarray, a: int, b: int
@@ -192,7 +216,9 @@ class Owner:
             PartReducer.reduce_slice(terms, a, b, out[a:b])
         kept, (start, stop) = self._down_residuals.get(rnd.tag), rnd.bounds[rnd.my_part]
         res = None
-        if kept is not None and kept[0][0] <= start and stop <= kept[0][1]:  # (it spans my part)
+        if rnd.shared:
+            pass  # (a later phase: every column's owner must answer the same bytes)
+        elif kept is not None and kept[0][0] <= start and stop <= kept[0][1]:  # (it spans my part)
             at = start - kept[0][0]
             res = kept[1][at + a : at + b]
         header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
@@ -209,7 +235,12 @@ class Owner:
         start, stop = rnd.bounds[rnd.my_part]
         if red.outcome.values is None:
             failed[rnd.my_part] = red.outcome.reason
-            output[start:stop] = red.contributions[self.peer_id].values  # my own values
+            own = red.contributions[self.peer_id].values  # my own values
+            if isinstance(own, KeptPart):  # (quantised in a later phase)
+                for a, b in subframe_bounds(0, own.length, own.step):
+                    output[start + a : start + b] = own.values(a, b)
+            elif own is not None:
+                output[start:stop] = own
             return
         await red.complete.wait()
         answered = len(red.outcome.accepted) - 1  # every accepted sender but me gets the frames
@@ -341,7 +372,7 @@ class Owner:
         response = web.StreamResponse(headers={HEADER_ELEMENTS: str(red.length)})
         response.content_type = "application/octet-stream"
         if rnd.answer_stored:  # a known length: no chunked encoding, frames go out without being joined
-            response.content_length = stored_length(red.length, self.config.subframe_elements)
+            response.content_length = stored_length(red.length, self.config.frame_elements)
         sent = 0
         try:
             await response.prepare(request)
@@ -399,7 +430,7 @@ class Owner:
         expected = 0 if (declared == 0 and not rnd.uniform) else red.length
         if elements != expected:
             raise _Refused(422, f"peer {peer} sends {elements} values but part {red.part} holds {expected}")
-        codec, step = self.config.codec, self.config.subframe_elements
+        codec, step = self.config.codec, self.config.frame_elements
         storage = None
         into: KeptPart | np.ndarray | None = None
         if expected and codec.lossy:  # kept as the codec's payload: 1 or 2 bytes a value instead of 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -68,6 +69,9 @@ class PartReducer:
     members: tuple[str, ...]
     clip_multiple: float
     owner: str = ""  # this peer: its own copy's norm is what the others are clipped against
+    # a later phase of the step (see ``Round.shared``): the members whose copies the part cannot do without
+    # (those with a weight), and each copy's digest once the part closes (identical copies count once)
+    shared: frozenset[str] | None = None
     contributions: dict[str, Contribution] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -122,14 +126,30 @@ class PartReducer:
         if len(set(self.contributions) | set(self.rejected) | self.went) >= len(self.members):
             self.settled.set()
 
-    def close(self, out: np.ndarray) -> list[Term]:
+    def digests(self) -> dict[str, bytes]:
+        """Each copy with values by a digest of its bytes as they arrived (call in a thread, once the part is
+        settled or its deadline passed: only copies read completely are in ``contributions``)."""
+        out = {}
+        for peer, c in list(self.contributions.items()):
+            if isinstance(c.values, KeptPart):
+                data = c.values.storage[: KeptPart.nbytes(c.values.codec, c.values.length, c.values.step)]
+            elif c.values is not None:
+                data = np.ascontiguousarray(c.values).view(np.uint8)
+            else:
+                continue
+            out[peer] = hashlib.blake2b(data.data, digest_size=16).digest()
+        return out
+
+    def close(self, out: np.ndarray, digests: dict[str, bytes] | None = None) -> list[Term]:
         """Close the part (later copies are refused) and decide its outcome; returns the terms of the mean,
-        to be reduced into ``out`` slice by slice (empty when nothing with a weight arrived)."""
+        to be reduced into ``out`` slice by slice (empty when nothing with a weight arrived). ``digests``
+        (:meth:`digests`; a later phase only): copies with the same one are one term."""
         self.closed = True
         kept = self.contributions.get(self.keep) if self.keep is not None else None
         if kept is not None and kept.values is not None:  # (before the mean could scale it in place)
             self.kept, kept.storage = kept.values, None  # not owned: the mean reads it, the next round won't
-        terms, clipped, reason = self.plan()  # every norm is known: clipping is decided before any slice
+        # every norm is known: clipping is decided before any slice
+        terms, clipped, reason = self.plan(digests or {})
         done = set(self.contributions) | set(self.rejected)
         self.outcome = PartOutcome(
             values=out if terms else None,
@@ -166,12 +186,25 @@ class PartReducer:
         self.complete.set()
         self.more.set()
 
-    def plan(self) -> tuple[list[Term], tuple[str, ...], str]:
+    def plan(self, digests: dict[str, bytes] | None = None) -> tuple[list[Term], tuple[str, ...], str]:
         """The terms of the weighted mean: (copy, factor) pairs, outliers clipped; once every copy is in.
 
         Returns the terms (empty when nothing with a weight arrived), the clipped members and, on failure,
         why. Clipping needs every member's norm, so no slice can be reduced before this.
+
+        In a later phase (``shared``) the part fails unless every member with a weight sent its copy (a
+        column without one node's copy would make another mean than the columns that have it), copies with
+        the same digest are one term of their summed weight, in the order of their first member, and they
+        are clipped against the lower median of the distinct copies' norms: each column then adds the same
+        terms with the same factors, whichever members of each node it holds and whoever owns the part.
         """
+        if self.shared is not None:
+            missing = sorted(self.shared - set(self.contributions))
+            if missing:
+                return [], (), (
+                    f"in a later phase every member with a weight must send its copy; {', '.join(missing)} "
+                    "did not (this column's mean would differ from the others')"
+                )
         # Members in the assignment's order, not arrival order: the fp32 sum is then the same whatever the
         # network did, and the same in every group whose members the tracker listed alike (a full grid's
         # columns), so those groups' means are bit for bit equal.
@@ -182,29 +215,44 @@ class PartReducer:
         )
         if not weighted:
             return [], (), "no contribution with a positive weight reached the part owner in time"
+        total = math.fsum(c.weight for c in weighted)
+        weights = {c.peer_id: c.weight for c in weighted}
+        if self.shared is not None and digests is not None:
+            first: dict[bytes, Contribution] = {}
+            for c in weighted:
+                d = digests.get(c.peer_id, c.peer_id.encode())
+                if d in first:
+                    weights[first[d].peer_id] = weights[first[d].peer_id] + c.weight
+                else:
+                    first[d] = c
+            weighted = list(first.values())
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
-            bound = self.clip_multiple * self._reference_norm(weighted)
+            reference = self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
+            bound = self.clip_multiple * reference
             for c in weighted:
                 if c.norm > bound:
                     scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
                     clipped.append(c.peer_id)
-        total = math.fsum(c.weight for c in weighted)
         terms = [
-            (values, np.float32(c.weight * scales[c.peer_id] / total), c.owned)
+            (values, np.float32(weights[c.peer_id] * scales[c.peer_id] / total), c.owned)
             for c in weighted
             if (values := c.values) is not None  # (all of them: the type checker cannot know)
         ]
         return terms, tuple(sorted(clipped)), ""
+
+    @staticmethod
+    def _median_norm(weighted: list[Contribution]) -> float:
+        norms = sorted(c.norm for c in weighted)
+        return norms[(len(norms) - 1) // 2]  # lower median: robust for 2 members
 
     def _reference_norm(self, weighted: list[Contribution]) -> float:
         """The norm copies are clipped against: the lower median of the copies' norms, but never above the
         owner's own copy's. With the median alone, two colluders of three set their own clip; the owner's
         norm is one no coalition of the others can raise (they can only lower the bound, which takes their
         own weight out of the mean too), and the median still clips an owner whose own copy spikes."""
-        norms = sorted(c.norm for c in weighted)
-        median = norms[(len(norms) - 1) // 2]  # lower median: robust for 2 members
+        median = PartReducer._median_norm(weighted)
         own = self.contributions.get(self.owner)
         if own is not None and own.weight > 0 and own.values is not None and own.norm > 0:
             return min(own.norm, median)

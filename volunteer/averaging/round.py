@@ -95,30 +95,46 @@ class Round:
     moved_at: float = field(default_factory=time.monotonic)
     cut: set[str] = field(default_factory=set)
 
+    @property
+    def shared(self) -> bool:
+        """A later phase of the step (``assignment.phase > 0``): each member's values are its node's, held
+        bit for bit alike by that node's members in every column of the phase, so every column must make the
+        same bytes of them: copies and answers are encoded without error feedback, the owner's own copy
+        counts as the others receive it (quantised), identical copies count once with their summed weight,
+        and the part fails unless every member with a weight sent its copy (see the owner and reducer)."""
+        return self.assignment.phase > 0
+
     def moved(self) -> None:
         """Something of the round arrived or went out completely now (an answer began, a sub-frame of one
         came, a copy went out)."""
         self.moved_at = time.monotonic()
 
 
-def part_bounds(n: int, parts: int, weights: Sequence[int] = ()) -> list[tuple[int, int]]:
+def part_bounds(n: int, parts: int, weights: Sequence[int] = (), align: int = 1) -> list[tuple[int, int]]:
     """Contiguous slices of ``n`` values, one per part: part i holds ``weights[i] / sum(weights)`` of them
     (rounded at the cumulative sums, so every member cuts the same bounds), or, with no weights, sizes that
-    differ by at most one."""
+    differ by at most one.
+
+    ``align``: every bound but the last is a multiple of it (the parts are dealt whole blocks of ``align``
+    values; some may then be empty): a lossy codec's blocks then sit at the same places of the vector
+    whoever owns them (:func:`~crowdtrain.protocol.codecs.block`), so groups that hold the same values and cut
+    them into other parts quantise them alike."""
+    if align < 1:
+        raise ValueError("align must be at least 1")
+    units = -(-n // align)
     if weights:
         if len(weights) != parts or min(weights) < 1:
             raise ValueError(f"{len(weights)} part weights for {parts} parts, each at least 1")
-        total, cum, bounds, start = sum(weights), 0, [], 0
+        total, cum, stops = sum(weights), 0, []
         for w in weights:
             cum += w
-            stop = n * cum // total
-            bounds.append((start, stop))
-            start = stop
-        return bounds
-    base, extra = divmod(n, parts)
+            stops.append(units * cum // total)
+    else:
+        base, extra = divmod(units, parts)
+        stops = [base * (k + 1) + min(k + 1, extra) for k in range(parts)]
     bounds, start = [], 0
-    for k in range(parts):
-        stop = start + base + (1 if k < extra else 0)
+    for stop_units in stops:
+        stop = min(n, stop_units * align)
         bounds.append((start, stop))
         start = stop
     return bounds

@@ -87,11 +87,11 @@ class Sender:
             return
         send = rnd.uniform or weight > 0
         headers = self._headers(rnd, owner.part, weight, stop - start if send else 0)
-        residual = self._residuals.get(tag) if self.config.codec.lossy else None
+        residual = self._residuals.get(tag) if self.config.codec.lossy and not rnd.shared else None
         data: object = b""
         if send and self._coder.stores(vector[start:stop]):
             # a known length: aiohttp writes each frame as it is instead of joining it into a chunk
-            headers["Content-Length"] = str(stored_length(stop - start, self.config.subframe_elements))
+            headers["Content-Length"] = str(stored_length(stop - start, self.config.frame_elements))
             data = self._stored(rnd, vector, start, stop)
         elif send:
             data = self._coded(rnd, vector, start, stop, residual)
@@ -118,7 +118,7 @@ class Sender:
         """The part as sub-frames; the next one is encoded in a thread while this one is sent (each one
         taken by the network moves the round: a slow uplink is not a quiet round)."""
         stats = rnd.stats
-        bounds = subframe_bounds(start, stop, self.config.subframe_elements)
+        bounds = subframe_bounds(start, stop, self.config.frame_elements)
 
         def encode(a: int, b: int) -> asyncio.Future[tuple[bytes, bytes | memoryview]]:
             res = None if residual is None else residual[a:b]
@@ -148,7 +148,7 @@ class Sender:
         """The part as stored sub-frames straight from ``vector``'s memory (only a checksum to compute:
         ~0.2 ms per sub-frame, on the loop)."""
         stats = rnd.stats
-        for a, b in subframe_bounds(start, stop, self.config.subframe_elements):
+        for a, b in subframe_bounds(start, stop, self.config.frame_elements):
             t = time.perf_counter()
             header, frame = stored_frame(vector[a:b])
             stats.encode_s += time.perf_counter() - t

@@ -230,10 +230,10 @@ def _checked_subframe(header: FrameHeader, coder: Coder, got: int, elements: int
     if header.codec is not config.codec:
         raise ProtocolError(f"frame uses codec {header.codec.label} but this round uses {config.codec.label}")
     n = header.numel
-    if len(header.shape) != 1 or n < 1 or n > config.subframe_elements:
+    if len(header.shape) != 1 or n < 1 or n > config.frame_elements:
         raise ProtocolError(
             f"sub-frame has shape {list(header.shape)}; expected one dimension of 1 to "
-            f"{config.subframe_elements} values"
+            f"{config.frame_elements} values"
         )
     if got + n > elements:
         raise ProtocolError(

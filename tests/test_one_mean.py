@@ -1,0 +1,148 @@
+"""One mean, bit for bit, at any number of peers: the tracker's plan of phases (``matchmaking.plan``) run by
+real averagers over real HTTP, with every codec, and every peer's result compared bit for bit.
+
+With more peers than a group (two or three phases), a lossy codec used to give each column of a later phase
+its own rounding of the same mean: the senders' error-feedback residuals, the owners' answer residuals,
+part bounds that cut the quantisation blocks differently, and the owner's own unquantised copy all differed
+from column to column, so no two volunteers held the same state (0 of 19 steps agreed with 5 volunteers in
+groups of 4). The volunteers' own test of the same rule is in ``test_volunteer_collab.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from crowdtrain.protocol.codecs import Codec
+from crowdtrain.protocol.credentials import sign_assignment
+from crowdtrain.protocol.messages import GroupAssignment, GroupMember, round_tag
+from crowdtrain.tracker.matchmaking import Candidate, plan
+from crowdtrain.volunteer.averaging import AveragingConfig
+from tests.harness import Recorder, published_run, volunteers
+from tests.test_allreduce import RUN, TRACKER, Peer, start_peers, weighted_mean
+
+GROUP = 4
+
+
+def phase_assignments(peers: list[Peer], weights: list[int], step: int) -> dict[str, list[GroupAssignment]]:
+    """Each peer's assignments of every phase, as the tracker plans and signs them (every peer reachable)."""
+    by_id = {p.peer_id: p for p in peers}
+    candidates = [Candidate(p.peer_id, True, w) for p, w in zip(peers, weights, strict=True)]
+    phases = plan(candidates, GROUP, seed=step)
+    mine: dict[str, list[GroupAssignment]] = {p.peer_id: [] for p in peers}
+    for phase, groups in enumerate(phases):
+        for g, group in enumerate(groups):
+            members = [
+                GroupMember(
+                    peer_id=pid,
+                    address=by_id[pid].address,
+                    public_key=by_id[pid].key.public_hex,
+                    weight=w,
+                    part=group.owners.index(pid) if pid in group.owners else -1,
+                )
+                for pid, w in zip(group.members, group.weights, strict=True)
+            ]
+            assignment = sign_assignment(
+                TRACKER,
+                GroupAssignment(
+                    run_id=RUN,
+                    round_id=f"s{step}-g{g}",
+                    step=step,
+                    members=members,
+                    parts=len(group.owners),
+                    average_params=False,
+                    deadline=time.time() + 30,
+                    seed=step,
+                    phase=phase,
+                    phases=len(phases),
+                    signature="",
+                ),
+            )
+            for pid in group.members:
+                mine[pid].append(assignment)
+    return mine
+
+
+async def all_phases(peer: Peer, assignments: list[GroupAssignment], vector: np.ndarray) -> np.ndarray:
+    """What ``volunteer/rounds.py`` does with a step's phases: each phase's mean the next one's input."""
+    values = vector
+    for a in assignments:
+        [me] = [m for m in a.members if m.peer_id == peer.peer_id]
+        result = await peer.averager.allreduce(a, values, float(me.weight), tag=round_tag("grad", a.phase))
+        assert not result.late and not result.failed_parts and not result.dropped, result
+        values = result.values
+    return values
+
+
+@pytest.mark.parametrize("codec", [Codec.NONE, Codec.FP16, Codec.INT8, Codec.INT2, Codec.SPARSE])
+@pytest.mark.parametrize("n", [5, 8, 16])
+async def test_every_peer_holds_the_same_mean_bit_for_bit_in_every_phase_plan(n, codec):
+    """Four steps (error feedback carries over between them) of gradients of uneven scales and weights
+    and a vector that is not a whole number of blocks: every peer's mean is the same bytes, and it is the
+    weighted mean within what the codec loses."""
+    config = AveragingConfig(codec=codec, subframe_elements=8192)
+    peers = await start_peers(n, config)
+    try:
+        rng = np.random.default_rng(n * 10 + int(codec))
+        size = 3 * 4096 * GROUP + 1234
+        for step in range(4):
+            weights = [int(w) for w in rng.integers(1, 9, n)]
+            vectors = [
+                (rng.standard_normal(size) * rng.uniform(0.5, 2)).astype(np.float32) for _ in range(n)
+            ]
+            mine = phase_assignments(peers, weights, step)
+            assert max(len(a) for a in mine.values()) > 1  # (more than one phase: the case that drifted)
+            means = await asyncio.gather(
+                *(all_phases(p, mine[p.peer_id], v.copy()) for p, v in zip(peers, vectors, strict=True))
+            )
+            differ = [p.peer_id for p, m in zip(peers, means, strict=True) if m.tobytes() != means[0].tobytes()]
+            assert not differ, f"step {step}: {len(differ)} of {n} peers hold another mean than {peers[0].peer_id}"
+            if codec in (Codec.NONE, Codec.FP16, Codec.INT8):  # (int2 and sparse lean on error feedback)
+                expected = weighted_mean(vectors, weights)
+                tolerance = {Codec.NONE: 1e-6, Codec.FP16: 2e-3, Codec.INT8: 4e-2}[codec]
+                assert np.abs(means[0] - expected).max() <= tolerance * np.abs(expected).max()
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+# ------------------------------------------------------------------ the same rule, volunteers end to end
+
+
+async def states_after_every_step(tmp_path, n: int, averaging: dict, steps: int) -> dict[int, list[bytes]]:
+    """``n`` real volunteers of a run in groups of 4 until ``steps`` steps: the parameters each recorded after
+    each step, as bytes, by step."""
+    async with published_run(
+        tmp_path,
+        target_batch_size=16 * n,
+        micro_batch_size=8,
+        averaging={"group_size": GROUP, "clip_multiple": 5.0, **averaging},
+    ) as run:
+        recs = [Recorder() for _ in range(n)]
+        vols = volunteers(run, tmp_path, n, seed=11, record=recs, max_steps=steps)
+        summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 400)
+    assert all(s.steps_done == steps for s in summaries), [s.steps_done for s in summaries]
+    return {k: [rec.params[k].tobytes() for rec in recs if k in rec.params] for k in range(1, steps + 1)}
+
+
+VOLUNTEER_CASES = [
+    *[(5, codec, 1, 0) for codec in ("none", "fp16", "int8", "int2", "sparse")],
+    *[(n, "int8", inner, delay) for n in (5, 8) for inner in (1, 3) for delay in (0, 1) if (n, inner, delay) != (5, 1, 0)],
+    *[pytest.param(16, "int8", inner, 0, marks=pytest.mark.slow) for inner in (1, 3)],
+]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("n", "codec", "inner_steps", "delay"), VOLUNTEER_CASES)
+async def test_every_volunteer_holds_the_same_state_after_every_step(tmp_path, n, codec, inner_steps, delay):
+    """More volunteers than a group, the run's codec, every-step (``inner_steps = 1``) or local-steps mode,
+    delay 0 or 1: after every step each volunteer's parameters are the same bytes as every other's."""
+    local = {"inner_steps": inner_steps, "inner_batch_size": 8} if inner_steps > 1 else {}
+    states = await states_after_every_step(tmp_path, n, {"codec": codec, "delay": delay, **local}, steps=5)
+    for step, held in states.items():
+        assert len(held) == n, f"step {step}: only {len(held)} of {n} volunteers recorded their state"
+        distinct = len(set(held))
+        assert distinct == 1, f"step {step}: the {n} volunteers hold {distinct} different states"
