@@ -22,6 +22,7 @@ Every message is a sentence that says what went wrong and, where it can, what to
     ├── RecipeError                  the model recipe is unknown or does not match the run's spec
     ├── AveragingError               an all-reduce round failed as a whole
     └── StateSyncError               no donor could deliver the run's current state
+        └── DonorsDisagree           the peers serving the run's state disagree: none can be listed
 
 (* defined beside the one module that raises it; ``tests/test_errors_tree.py`` holds this drawing to the code.)
 """
@@ -84,3 +85,7 @@ class StateSyncError(CrowdtrainError):
     def __init__(self, message: str, donors: tuple[str, ...] = ()) -> None:
         self.donors = donors
         super().__init__(message)
+
+
+class DonorsDisagree(StateSyncError):
+    """The peers serving the run's state disagree on it, so the tracker lists none: wait, do not guess."""

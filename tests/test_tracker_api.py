@@ -422,7 +422,11 @@ async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(adm
         # two peers serve state, but no version is backed by both: none is listed, and the reason says so
         assert donors.state is None and donors.serving == 2 and donors.donors == []
         assert "agree on none yet" in donors.reason
+        # ... and the run's status says its donors disagree (newcomers wait: issue 47)
+        notice = (await admin.status(run_id)).notice
+        assert notice is not None and "the 2 peers serving the run's state disagree on it" in notice
         await vc.declare_state(1, "aa" * 32, 10)
+        assert (await admin.status(run_id)).notice is None
         donors = await admin.donors(run_id)
         assert (donors.state.step, donors.state.content_hash) == (1, "aa" * 32)
         assert sorted(d.peer_id for d in donors.donors) == sorted([va.peer_id, vc.peer_id])

@@ -8,12 +8,14 @@ import asyncio
 import numpy as np
 import pytest
 
+from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.catchup import averages_needed
+from crowdtrain.volunteer.catchup import STATE_POLL_S, averages_needed
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
-from tests.harness import Recorder, published_run, until
+from tests.harness import Recorder, published_run, until, volunteers
+from tests.sim import PingServer, SimVolunteer
 
 KiB = 1024
 LATE_AT = 10
@@ -129,3 +131,59 @@ def test_with_delay_1_a_state_as_new_as_the_peers_step_waits_for_a_newer_one():
     # delay 0: the steps up to the peer's own, none for a state of its step or newer
     assert list(averages_needed(34, 36, 0)) == [34, 35]
     assert list(averages_needed(36, 36, 0)) == [] and list(averages_needed(37, 36, 0)) == []
+
+
+@pytest.mark.timeout(120)
+async def test_a_newcomer_waits_with_one_sentence_and_no_rounds_while_the_donors_disagree(tmp_path):
+    """Issue 47: two peers serve different states of the run's step (a bug, or a modified client). The newcomer
+    loads neither: it says so once (not a warning a second), computes nothing and takes no place in rounds,
+    and the run's status says the donors disagree."""
+    async with published_run(tmp_path, target_batch_size=32) as run:
+        run_id = run.spec.run_id
+        async with (
+            TrackerClient(run.tracker.url, admin_token=run.tracker.admin_token) as admin,
+            PingServer() as a,
+            PingServer() as b,
+        ):
+            sims = [SimVolunteer(admin, run_id) for _ in range(2)]
+            for v, server in zip(sims, (a, b), strict=True):
+                await v.join(address=server.address)
+                server.peer_id = v.peer_id
+            for v in sims:
+                await v.wait_reachable(samples=1)
+            for step in range(2):
+                for v in sims:
+                    await v.heartbeat(step, 16)
+                await asyncio.gather(*(v.ready(step, 16) for v in sims))
+            await sims[0].declare_state(2, "aa" * 32, 10)
+            await sims[1].declare_state(2, "bb" * 32, 10)
+
+            async def alive() -> None:  # the two donors stay online meanwhile
+                while True:
+                    for v in sims:
+                        await v.heartbeat(2, 0)
+                    await asyncio.sleep(0.5)
+
+            beat = asyncio.create_task(alive())
+            events: list[ev.Event] = []
+            [vol] = volunteers(run, tmp_path, 1, emit=events.append)
+            task = asyncio.create_task(vol.run())
+
+            def said() -> list[str]:
+                return [e.message for e in events if isinstance(e, ev.LogLine) and "disagree" in e.message]
+
+            try:
+                await until(
+                    lambda: bool(said()), 60, "the newcomer saying the donors disagree", watching=[task]
+                )
+                await asyncio.sleep(2 * STATE_POLL_S + 1)  # it asked the tracker again twice meanwhile
+                assert len(said()) == 1, said()
+                assert "waiting, computing nothing, until they agree" in said()[0]
+                # no round (the steps below were the donors' alone) and no micro-batch computed
+                assert not [e for e in events if isinstance(e, ev.RoundDone | ev.LocalTraining)]
+                notice = (await admin.status(run_id)).notice
+                assert notice is not None and "disagree" in notice
+            finally:
+                beat.cancel()
+                vol.stop()
+                await asyncio.wait_for(task, 30)

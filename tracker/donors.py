@@ -6,7 +6,8 @@
 * A declaration refused :data:`DONOR_STRIKES` times drops its peer from the donors for good.
 * The donor list names the newest step at which one content hash is held by more reachable peers than any
   other hash of that step, and by at least :data:`MIN_BACKERS` of them (or by the only one serving state).
-* The run's status says when the run has stepped but no online peer serves its state (:meth:`Donors.notice`).
+* The run's status says when the run has stepped but no online peer serves its state, or when the peers that
+  serve it disagree so that none can be listed (:meth:`Donors.notice`).
 """
 
 from __future__ import annotations
@@ -113,9 +114,20 @@ class Donors:
 
     def notice(self, peers: Iterable[Peer], global_step: int) -> str | None:
         """A sentence when the run has stepped but no online peer serves its state, nor took part in its
-        last step: volunteers that join wait for one that kept the state, or a publisher's checkpoint."""
+        last step: volunteers that join wait for one that kept the state, or a publisher's checkpoint; or
+        when the peers serving state disagree on it (no state can be listed): they then wait too."""
         peers = list(peers)
-        if global_step == 0 or any(p.offer.states for p in peers):
+        if global_step == 0:
+            return None
+        if any(p.offer.states for p in peers):
+            listed = self.listing(peers, global_step)
+            if listed.state is None and listed.serving >= MIN_BACKERS:
+                return (
+                    f"the {listed.serving} peers serving the run's state disagree on it (no step's snapshot "
+                    f"is held alike by {MIN_BACKERS} of them, more often than any other): volunteers that join "
+                    "or fell behind wait, computing nothing; honest volunteers hold the same bytes, so one of "
+                    "them runs a faulty or modified client"
+                )
             return None
         if any(self.rounds.took_part(global_step - 1, p.peer_id) for p in peers):
             return None

@@ -7,6 +7,9 @@ of the step it missed: with delay 0 it fetches the averages of the steps since f
 that agree (:mod:`crowdtrain.volunteer.averaging.averages`), and replays them on its own state instead of
 fetching the whole state; where peers no longer keep one of them, it fetches the state.
 
+When the peers serving the run's state disagree (no state is listed) it loads nothing on a guess: it waits,
+computing nothing and taking no place in rounds, says so once, and asks again every few seconds.
+
 When no peer serves the run's state it resumes from its own kept state, the publisher's checkpoint, or the
 initial parameters while the run has taken no step; failing all it waits and says why: a run that has taken
 steps never restarts from the initial parameters.
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crowdtrain.protocol.errors import ProtocolError, StateSyncError, TrackerError
+from crowdtrain.protocol.errors import DonorsDisagree, ProtocolError, StateSyncError, TrackerError
 from crowdtrain.protocol.messages import DonorList
 from crowdtrain.volunteer.averaging.averages import KEEP_STEPS, fetch_average
 from crowdtrain.volunteer.joined import JoinedRun
@@ -271,8 +274,10 @@ class CatchUp:
         if await self._fetch_averages():
             return OwnState()
         donors = await self._newest_donors(replay_from)
+        if donors.state is None and donors.serving >= 2:
+            raise DonorsDisagree(donors.reason or "the peers serving state agree on none yet")
         if donors.state is None and donors.serving:
-            raise StateSyncError(donors.reason or "the peers serving state agree on none yet")
+            raise StateSyncError(donors.reason or "the one peer serving state serves none of the run's steps")
         if donors.state is None or not donors.donors:
             return None
         if donors.serving >= 2 and len({d.peer_id for d in donors.donors}) < 2:
@@ -328,6 +333,10 @@ class CatchUp:
                 await self._replay_own()
                 return
             header = None if fetched is None else await asyncio.to_thread(read_snapshot_header, fetched)
+        except DonorsDisagree as exc:
+            self.replay.clear()
+            self._disagree(str(exc))
+            return
         except (StateSyncError, TrackerError, ProtocolError) as exc:
             if isinstance(fetched, Path):
                 fetched.unlink(missing_ok=True)
@@ -342,6 +351,20 @@ class CatchUp:
             await self._no_donor()
             return
         await self._load(fetched, header)
+
+    def _disagree(self, reason: str) -> None:
+        """The peers serving the run's state disagree, so the tracker lists none (honest volunteers hold the
+        same bytes: a faulty or modified client). Nothing is loaded on a guess: the peer waits, computing
+        nothing and taking no place in rounds (its weight would be 0: no one needs it there), says so once,
+        and asks again every STATE_POLL_S."""
+        run = self.run
+        if self.waiting is None:
+            self.waiting = (
+                f"the peers serving run {run.config.run_id}'s state disagree on it ({reason}): waiting, "
+                "computing nothing, until they agree; the run's status says so too"
+            )
+            run.note(logging.WARNING, "%s", self.waiting)
+        self.start(after_s=STATE_POLL_S)
 
     async def _load(self, fetched: Path, header: SnapshotHeader) -> None:
         run, replay = self.run, self.replay

@@ -201,9 +201,13 @@ class PartReducer:
         if self.shared is not None:
             missing = sorted(self.shared - set(self.contributions))
             if missing:
-                return [], (), (
-                    f"in a later phase every member with a weight must send its copy; {', '.join(missing)} "
-                    "did not (this column's mean would differ from the others')"
+                return (
+                    [],
+                    (),
+                    (
+                        f"in a later phase every member with a weight must send its copy; {', '.join(missing)} "
+                        "did not (this column's mean would differ from the others')"
+                    ),
                 )
         # Members in the assignment's order, not arrival order: the fp32 sum is then the same whatever the
         # network did, and the same in every group whose members the tracker listed alike (a full grid's
@@ -229,7 +233,9 @@ class PartReducer:
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
-            reference = self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
+            reference = (
+                self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
+            )
             bound = self.clip_multiple * reference
             for c in weighted:
                 if c.norm > bound:
