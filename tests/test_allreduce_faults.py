@@ -334,6 +334,54 @@ async def test_late_sender_is_dropped_without_blocking_and_refused_afterwards():
             await p.stop()
 
 
+async def test_a_member_of_weight_0_asleep_holds_no_part_up_and_one_that_asks_after_the_close_gets_the_mean():
+    """Issue 47: a member with weight 0 (catching up) only wants the mean. Asleep, it used to hold every part
+    until the deadline; now the parts close once the members with a weight are in, and a weight-0 member that
+    asks after a part closed, while the round lasts, still gets that part's mean."""
+    config = AveragingConfig(subframe_elements=500)
+    a, b = await start_peers(2, config)
+    sleeper = await start_peer("sleeper", config, serve=False)
+    try:
+        rng = np.random.default_rng(10)
+        va, vb = (rng.standard_normal(N).astype(np.float32) for _ in range(2))
+        assignment = assign([a, b, sleeper], [1, 2, 0], [0, 1, -1], deadline_s=120)
+        # (the deadline is far: waiting for the sleeper would fail this wait, not pass it late)
+        ra, rb = await asyncio.wait_for(run_round([a, b], assignment, [va, vb], [1, 2]), 60)
+        for r in (ra, rb):
+            assert r.failed_parts == () and not r.late
+            np.testing.assert_allclose(r.values, weighted_mean([va, vb], [1, 2]), rtol=1e-6, atol=1e-6)
+        # a request of weight 0 after a part closed, while its owner's round lasts, is answered with the mean
+        a2, b2 = await start_peers(2, config, prefix="q")
+        try:
+            second = assign([a2, b2, sleeper], [1, 2, 0], [0, 1, -1], deadline_s=120)
+            hold = asyncio.Event()
+            original = a2.averager.sender.exchange
+
+            async def held_exchange(*args, **kw):  # a2's copy of b2's part waits: a2's round stays open
+                await hold.wait()
+                return await original(*args, **kw)
+
+            a2.averager.sender.exchange = held_exchange
+            rounds = asyncio.ensure_future(run_round([a2, b2], second, [va, vb], [1, 2]))
+            key = f"{second.round_id}/grad"
+
+            def closed() -> bool:
+                rnd = a2.averager.owner.rounds.get(key)
+                return rnd is not None and rnd.reducer is not None and rnd.reducer.closed
+
+            await until(closed, 30, "a2's part closing without the sleeper")
+            status, text = await post_part(sleeper, a2, second, 0, b"", weight="0.0", elements="0")
+            hold.set()
+            await asyncio.wait_for(rounds, 60)
+            assert (status, text) == (200, "")
+        finally:
+            for p in (a2, b2):
+                await p.stop()
+    finally:
+        for p in (a, b, sleeper):
+            await p.stop()
+
+
 @pytest.mark.parametrize("how", ["server_stopped", "never_called"])
 async def test_dead_part_owner_makes_senders_keep_local_values(how):
     config = AveragingConfig(assignment_wait_s=0.5, connect_timeout_s=1.0)

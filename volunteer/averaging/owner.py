@@ -129,6 +129,7 @@ class Owner:
                 self._down_residuals[rnd.tag] = (span, Residual.zeros(span[1] - span[0]))
         if stop == start:  # an empty part needs no owner
             return
+        needed = frozenset(p for p, m in rnd.members.items() if m.weight > 0 or rnd.uniform)
         rnd.reducer = PartReducer(
             rnd.my_part,
             stop - start,
@@ -136,9 +137,8 @@ class Owner:
             self.config.clip_multiple,
             owner=self.peer_id,
             done=asyncio.Event(),
-            shared=frozenset(p for p, m in rnd.members.items() if m.weight > 0 or rnd.uniform)
-            if rnd.shared
-            else None,
+            shared=needed if rnd.shared else None,
+            needed=needed,
         )
         own = vector[start:stop]
         # the mean of dense copies is dense: judge the answer by my own copy, before anything is reduced
@@ -336,6 +336,8 @@ class Owner:
         that only came too late)."""
         key, part, peer = rnd.key, red.part, member.peer_id
         begun = red.begin(peer)
+        if begun == "closed" and member.weight == 0 and elements == 0 and not rnd.uniform:
+            return  # (it only wants the mean, which it may have as long as the round lasts)
         if begun == "closed":
             raise _Refused(
                 410, f"part {part} of round {key} closed at its deadline; the contribution came too late"

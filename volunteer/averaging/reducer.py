@@ -72,6 +72,9 @@ class PartReducer:
     # a later phase of the step (see ``Round.shared``): the members whose copies the part cannot do without
     # (those with a weight), and each copy's digest once the part closes (identical copies count once)
     shared: frozenset[str] | None = None
+    # the members whose copies the part waits for: those with a weight (None: all); a member of weight 0 only
+    # wants the mean, and gets it whenever it asks before the round ends, so one asleep holds nothing up
+    needed: frozenset[str] | None = None
     contributions: dict[str, Contribution] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
     rejected: dict[str, str] = field(default_factory=dict)
@@ -123,7 +126,8 @@ class PartReducer:
         self._check_settled()
 
     def _check_settled(self) -> None:
-        if len(set(self.contributions) | set(self.rejected) | self.went) >= len(self.members):
+        waiting = set(self.members) if self.needed is None else set(self.needed)
+        if waiting <= set(self.contributions) | set(self.rejected) | self.went:
             self.settled.set()
 
     def digests(self) -> dict[str, bytes]:
