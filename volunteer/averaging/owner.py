@@ -53,6 +53,9 @@ ROUTE = "/v1/allreduce/{round_id}/{tag}/{part}"
 # a send buffer at once), in rounds that answered at least UPLOAD_MIN_BYTES; UPLOAD_EMA of each new
 # measure plus the rest of the one before.
 UPLOAD_MIN_BYTES = 64 * 1024
+# Once the members with a weight sent their copies, a part waits at most this long (or half the round so far)
+# for the requests of members of weight 0, which only want the mean.
+WEIGHT0_GRACE_S = 1.0
 UPLOAD_EMA = 0.5
 
 
@@ -167,7 +170,13 @@ class Owner:
         stream it while the next slice is reduced."""
         red = rnd.reducer
         assert red is not None
+        began = time.monotonic()
         await wait_at_most(red.settled, rnd.deadline - time.time())
+        if not red.everyone.is_set():
+            # members of weight 0 (catching up) still to ask: a live one asked at once (it sends nothing), so
+            # wait a grace for it, as long as half the round so far (at least WEIGHT0_GRACE_S), then close
+            grace = max(WEIGHT0_GRACE_S, 0.5 * (time.monotonic() - began))
+            await wait_at_most(red.everyone, min(grace, rnd.deadline - time.time()))
         t = time.perf_counter()
         start, stop = rnd.bounds[rnd.my_part]
         assert rnd.output is not None
@@ -185,20 +194,13 @@ class Owner:
             red.finish(reduce_s=time.perf_counter() - t)
 
     def _quantise_own(self, red: PartReducer) -> None:
-        """In a later phase, my own copy counts as the other members receive theirs: encoded with the round's
-        codec, without error feedback, kept in its payload like a received copy (call in a thread)."""
+        """In a later phase, my own copy counts as the other members receive theirs (call in a thread)."""
         own = red.contributions.get(self.peer_id)
-        if own is None or not isinstance(own.values, np.ndarray):
-            return
-        codec, step = self.config.codec, self.config.frame_elements
-        storage = self._take_buffer(KeptPart.nbytes(codec, red.length, step))
-        kept = KeptPart(codec, red.length, step, storage)
-        norm2 = 0.0
-        for a, b in subframe_bounds(0, red.length, step):
-            raw = transform(np.ascontiguousarray(own.values[a:b]), codec)
-            kept.slot(a, b)[:] = np.frombuffer(raw, dtype=np.uint8)
-            norm2 += float(np.dot(decoded := kept.values(a, b), decoded))
-        own.values, own.storage, own.norm = kept, storage, math.sqrt(norm2)
+        if own is not None and isinstance(own.values, np.ndarray):
+            codec, step = self.config.codec, self.config.frame_elements
+            storage = self._take_buffer(KeptPart.nbytes(codec, red.length, step))
+            own.values, own.norm = quantised(own.values, KeptPart(codec, red.length, step, storage))
+            own.storage = storage
 
     def _reduce_encode(
         self, rnd: Round, terms: list[Term], out: np.ndarray, a: int, b: int
@@ -464,3 +466,15 @@ class Owner:
         rnd.stats.bytes_received += nbytes
         weight = 1.0 if rnd.uniform else declared
         return Contribution(peer, weight, into, math.sqrt(norm2), storage=storage)
+
+
+def quantised(values: np.ndarray, into: KeptPart) -> tuple[KeptPart, float]:
+    """``values`` encoded with ``into``'s codec, frame by frame and without error feedback, kept in ``into``
+    as a received copy is; and the norm of what they decode to."""
+    norm2 = 0.0
+    for a, b in subframe_bounds(0, into.length, into.step):
+        raw = transform(np.ascontiguousarray(values[a:b]), into.codec)
+        into.slot(a, b)[:] = np.frombuffer(raw, dtype=np.uint8)
+        decoded = into.values(a, b)
+        norm2 += float(np.dot(decoded, decoded))
+    return into, math.sqrt(norm2)

@@ -73,7 +73,8 @@ class PartReducer:
     # (those with a weight), and each copy's digest once the part closes (identical copies count once)
     shared: frozenset[str] | None = None
     # the members whose copies the part waits for: those with a weight (None: all); a member of weight 0 only
-    # wants the mean, and gets it whenever it asks before the round ends, so one asleep holds nothing up
+    # wants the mean: the part waits for its request a short grace more (see ``Owner.close_part``), and it
+    # gets the mean whenever it asks while the round lasts, so one asleep holds nothing up for long
     needed: frozenset[str] | None = None
     contributions: dict[str, Contribution] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)
@@ -81,7 +82,10 @@ class PartReducer:
     duplicates: set[str] = field(default_factory=set)  # sent a second copy (refused with 409)
     went: set[str] = field(default_factory=set)  # closed the connection in the middle of its copy
     closed: bool = False
-    settled: asyncio.Event = field(default_factory=asyncio.Event)  # every member's copy is in or refused
+    settled: asyncio.Event = field(
+        default_factory=asyncio.Event
+    )  # every needed member's copy is in or refused
+    everyone: asyncio.Event = field(default_factory=asyncio.Event)  # ... and every weight-0 member's request
     done: asyncio.Event = field(default_factory=asyncio.Event)  # ``outcome`` is decided
     outcome: PartOutcome | None = None
     more: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when a frame is added
@@ -126,9 +130,11 @@ class PartReducer:
         self._check_settled()
 
     def _check_settled(self) -> None:
-        waiting = set(self.members) if self.needed is None else set(self.needed)
-        if waiting <= set(self.contributions) | set(self.rejected) | self.went:
+        came = set(self.contributions) | set(self.rejected) | self.went
+        if (set(self.members) if self.needed is None else self.needed) <= came:
             self.settled.set()
+        if set(self.members) <= came:
+            self.everyone.set()
 
     def digests(self) -> dict[str, bytes]:
         """Each copy with values by a digest of its bytes as they arrived (call in a thread, once the part is
@@ -202,17 +208,10 @@ class PartReducer:
         are clipped against the lower median of the distinct copies' norms: each column then adds the same
         terms with the same factors, whichever members of each node it holds and whoever owns the part.
         """
-        if self.shared is not None:
-            missing = sorted(self.shared - set(self.contributions))
-            if missing:
-                return (
-                    [],
-                    (),
-                    (
-                        f"in a later phase every member with a weight must send its copy; {', '.join(missing)} "
-                        "did not (this column's mean would differ from the others')"
-                    ),
-                )
+        missing = sorted(self.shared - set(self.contributions)) if self.shared is not None else []
+        if missing:
+            why = f"in a later phase every member with a weight must send its copy; {', '.join(missing)} did not"
+            return [], (), why + " (this column's mean would differ from the others')"
         # Members in the assignment's order, not arrival order: the fp32 sum is then the same whatever the
         # network did, and the same in every group whose members the tracker listed alike (a full grid's
         # columns), so those groups' means are bit for bit equal.
@@ -226,14 +225,7 @@ class PartReducer:
         total = math.fsum(c.weight for c in weighted)
         weights = {c.peer_id: c.weight for c in weighted}
         if self.shared is not None and digests is not None:
-            first: dict[bytes, Contribution] = {}
-            for c in weighted:
-                d = digests.get(c.peer_id, c.peer_id.encode())
-                if d in first:
-                    weights[first[d].peer_id] = weights[first[d].peer_id] + c.weight
-                else:
-                    first[d] = c
-            weighted = list(first.values())
+            weighted = _merge_identical(weighted, digests, weights)
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
@@ -285,3 +277,18 @@ class PartReducer:
                 out += v
             else:  # my own copy: one temporary
                 out += v * factor
+
+
+def _merge_identical(
+    weighted: list[Contribution], digests: dict[str, bytes], weights: dict[str, float]
+) -> list[Contribution]:
+    """The copies with distinct digests, each the first of its kind in ``weighted``'s order, whose entry in
+    ``weights`` becomes the sum of its kind's weights (whole numbers of samples: exact)."""
+    first: dict[bytes, Contribution] = {}
+    for c in weighted:
+        d = digests.get(c.peer_id, c.peer_id.encode())
+        if d in first:
+            weights[first[d].peer_id] += c.weight
+        else:
+            first[d] = c
+    return list(first.values())
