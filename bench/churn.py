@@ -11,7 +11,8 @@ and a seeder, each a process of its own. Once every volunteer took a step the so
 - leaving: SIGINT (it tells the tracker it leaves), then joining again 2–8 s later on the same data folder.
 
 The first three faults are one of each, in a drawn order. Measured over the soak's ``--minutes`` (the run's
-steps as the tracker closed them, polled once a second): steps per minute in each third and last ÷ first;
+steps as the tracker closed them, polled once a second, and the volunteers' ``StepDone`` for steps that
+left the tracker's last 10 between two polls): steps per minute in each third and last ÷ first;
 the longest time without a step; for each volunteer woken, restarted or rejoined, the seconds to its own
 next ``StepDone``; the tracker's resident memory after the first step and at the end; tracebacks in any
 process's output (stderr, the tracker's and seeder's merged output, ``LogLine`` messages) and volunteer
@@ -21,7 +22,9 @@ ledger; and each volunteer's "state catch-up failed" and "disagree" lines. Then 
 exit code is 0 when all pass.
 
     .venv/bin/python bench/churn.py                       # 12 minutes, 5 volunteers, seed 0
-    .venv/bin/python bench/churn.py --minutes 3 --json-out /tmp/churn.json
+    .venv/bin/python bench/churn.py --minutes 3 --json-out /tmp/churn.json --logs /tmp/churn-logs
+
+``--logs``: each process's events (but its progress reports) and last lines, to read a stall afterwards.
 
 ``tests/test_churn.py`` runs :func:`soak` for 3 minutes and asserts the criteria that are not speeds.
 """
@@ -67,6 +70,7 @@ FREEZE_S = (5.0, 25.0)
 KILLED_S = (1.0, 5.0)  # from the kill's exit to the restart
 AWAY_S = (2.0, 8.0)  # from the leave's exit to the rejoin
 RECOVERY_S = 60.0  # a volunteer back must step within this
+START_S = 150.0  # every volunteer takes a step within this of its start (it takes 10–30 s here)
 KINDS = ("freeze", "kill", "leave")
 AVERAGING = {
     "group_size": GROUP_SIZE,
@@ -80,6 +84,8 @@ TRACKER_OPTIONS = ("--heartbeat-interval", "0.5", "--peer-ttl", "15", "--join-ra
 LEFT_CODES = (0, 130)  # a volunteer stopped with SIGINT: it left (130: interrupted)
 SPOT = re.compile(r"spot-check of \S+ at step \d+: (\w+)")
 TRACEBACK = "Traceback (most recent call last)"
+KEPT_LINES = 2000  # of each process's stderr (the tracker's, the seeder's: all output), for --logs
+QUIET = (ev.Progress, ev.TorrentStats, ev.LocalTraining)  # events left out of --logs
 # lines that continue a traceback although they are not indented (chained exceptions, rich's box)
 GOING_ON = ("Traceback", "During handling", "The above exception", "│", "╭", "╰", "+", "|")
 
@@ -137,7 +143,7 @@ def scan(child: Any, source: str, found: Tracebacks) -> None:
     """Watch ``child``'s output from now on (and its lines kept so far) for tracebacks."""
     for line in child.lines:
         found.feed(source, line)
-    child.lines = Scanned(source, found, child.lines, child.lines.maxlen)
+    child.lines = Scanned(source, found, child.lines, max(KEPT_LINES, child.lines.maxlen or 0))
 
 
 def resident_bytes(pid: int) -> int:
@@ -146,6 +152,17 @@ def resident_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def where(v: VolunteerProcess) -> str:
+    """Where volunteer ``v`` is: its steps, its last phases and events, its last lines of stderr."""
+    phases = [e.phase for e in v.of(ev.PhaseChanged)][-4:]
+    last = [type(e).__name__ for e in v.events[-6:]]
+    logs = [e.message for e in v.of(ev.LogLine)][-3:]
+    return (
+        f"{v.name}: {len(v.of(ev.StepDone))} steps, {len(v.events)} events, phases ...{phases}, "
+        f"last events {last}, last log lines {logs}, {v.tail()}"
+    )
 
 
 @dataclass
@@ -174,6 +191,7 @@ class Soak:
     seed: int
     minutes: float
     say: Callable[[str], None] = print
+    logs_to: Path | None = None  # each process's events and last lines are written there at the end
     rng: random.Random = field(init=False)
     found: Tracebacks = field(default_factory=Tracebacks)
     current: dict[str, VolunteerProcess] = field(default_factory=dict)
@@ -338,6 +356,11 @@ class Soak:
             if seeder is not None:
                 await seeder.close()
             await tracker.close()
+            if self.logs_to is not None:
+                self.dump(
+                    self.logs_to,
+                    [("tracker", tracker.child), *([("seeder", seeder.child)] if seeder else [])],
+                )
         report.update(self.logs())
         report["spot_checks"]["tracker_rejected"] = rejected
         report["exits"] = self.exits
@@ -347,12 +370,14 @@ class Soak:
         return report
 
     async def measure(self, tracker: TrackerProcess, run_id: str) -> dict[str, Any]:
-        deadline = time.time() + 300
+        deadline = time.time() + START_S
         while not all(v.of(ev.StepDone) for v in self.current.values()):
             await self.restart_the_exited(tracker, run_id)
             if time.time() > deadline:
-                tails = "; ".join(f"{v.name}: {v.tail()}" for v in self.current.values())
-                raise RuntimeError(f"not every volunteer took a step within 300 s: {tails}")
+                raise RuntimeError(
+                    f"not every volunteer took a step within {START_S:.0f} s (the run closed {len(self.closed)}): "
+                    + "; ".join(where(v) for v in self.current.values())
+                )
             await asyncio.sleep(0.5)
         self.t0 = time.time()
         rss_start = resident_bytes(tracker.proc.pid)
@@ -386,6 +411,12 @@ class Soak:
         ]
         gaps = [(b - a, a - t0) for a, b in itertools.pairwise([t0, *times, end])]
         longest, longest_at = max(gaps)
+        # what the volunteers warned of from just before the longest gap began to its end
+        a, b = t0 + longest_at - 10.0, t0 + longest_at + longest
+        warned = sorted(
+            (e.t, v.name, e.message) for v in self.started for e in v.of(ev.LogLine)
+            if a <= e.t <= b and e.level in ("WARNING", "ERROR", "CRITICAL")
+        )  # fmt: skip
         back = [
             {"kind": f.kind, "volunteer": f.name, "at_s": round(f.at - t0, 1), "held_s": round(f.held_s, 1),
              "first_step_s": None if (s := f.first_step()) is None else round(s, 1)}
@@ -405,6 +436,7 @@ class Soak:
             "last_over_first": round(per_min[2] / per_min[0], 3) if per_min[0] else None,
             "longest_without_step_s": round(longest, 1),
             "longest_without_step_at_s": round(longest_at, 1),
+            "warnings_around_it": [f"{n} +{t - t0:.1f} s: {m}" for t, n, m in warned[:12]],
             "faults": back,
             "slow_or_never": sum(1 for b in back if b["first_step_s"] is None or b["first_step_s"] > RECOVERY_S),
             "tracker_rss_mb": {"start": round(rss_start / 2**20, 1), "end": round(rss_end / 2**20, 1),
@@ -412,6 +444,21 @@ class Soak:
             "notices": sorted(self.notices),
             "status_poll_failures": self.poll_failures,
         }  # fmt: skip
+
+    def dump(self, folder: Path, others: list[tuple[str, Any]]) -> None:
+        """Each volunteer process's events (but its progress reports) and last lines of stderr, one file per
+        process in the order they started; the tracker's and seeder's last lines."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, v in enumerate(self.started):
+            with open(folder / f"{k:02d}-{v.name}.jsonl", "w", encoding="utf-8") as f:
+                for e in v.events:
+                    if not isinstance(e, QUIET):
+                        f.write(json.dumps(ev.to_dict(e), default=str) + "\n")
+                f.writelines(f"stderr: {line}\n" for line in v.child.lines)
+        for name, child in others:
+            (folder / f"{name}.log").write_text(
+                "".join(f"{line}\n" for line in child.lines), encoding="utf-8"
+            )
 
     def logs(self) -> dict[str, Any]:
         """What every volunteer process said in its ``LogLine`` events (all of them, once they ended)."""
@@ -437,10 +484,17 @@ class Soak:
 
 
 async def soak(
-    workdir: Path, *, minutes: float, volunteers: int = 5, seed: int = 0, say: Callable[[str], None] = print
+    workdir: Path,
+    *,
+    minutes: float,
+    volunteers: int = 5,
+    seed: int = 0,
+    say: Callable[[str], None] = print,
+    logs_to: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the churn soak in ``workdir``; its figures (JSON-able)."""
-    return await Soak(workdir, volunteers, seed, minutes, say).run()
+    """Run the churn soak in ``workdir``; its figures (JSON-able). ``logs_to``: a folder for each process's
+    events and last lines, written at the end (also when the soak fails)."""
+    return await Soak(workdir, volunteers, seed, minutes, say, logs_to).run()
 
 
 def verdicts(report: dict[str, Any]) -> list[tuple[str, bool, str]]:
@@ -478,7 +532,9 @@ def show(report: dict[str, Any]) -> list[str]:
         f"steps: {report['steps']} ({report['steps_seen_by_volunteers_only']} of them missed by the status "
         f"polls, seen in StepDone); steps/min by third: {thirds[0]} | {thirds[1]} | {thirds[2]}; "
         f"last/first {report['last_over_first']}",
-        f"longest without a step: {report['longest_without_step_s']} s (from +{report['longest_without_step_at_s']} s)",
+        f"longest without a step: {report['longest_without_step_s']} s (from +{report['longest_without_step_at_s']} s); "
+        "the volunteers' warnings from 10 s before it to its end:",
+        *(f"  {w}" for w in report["warnings_around_it"]),
         "faults (kind, volunteer, at, held, back to its first step):",
         *(f"  {b['kind']:6s} {b['volunteer']} at +{b['at_s']} s, {b['held_s']} s, "
           f"first step {'never' if b['first_step_s'] is None else str(b['first_step_s']) + ' s'}"
@@ -507,6 +563,7 @@ def main() -> int:
     ap.add_argument("--volunteers", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0, help="of the faults' times, kinds and volunteers")
     ap.add_argument("--json-out", type=Path, help="also write the figures here, as JSON")
+    ap.add_argument("--logs", type=Path, help="a folder: each process's events and last lines go there")
     args = ap.parse_args()
     if args.volunteers < 5:
         ap.error("--volunteers: at least 5 (one at a time is faulted; groups of 4)")
@@ -516,7 +573,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="crowdtrain-churn-") as tmp:
         report = asyncio.run(soak(Path(tmp), minutes=args.minutes, volunteers=args.volunteers, seed=args.seed,
-                                  say=say))  # fmt: skip
+                                  say=say, logs_to=args.logs))  # fmt: skip
     for line in show(report):
         print(line)
     if args.json_out:

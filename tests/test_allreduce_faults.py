@@ -382,6 +382,31 @@ async def test_a_member_of_weight_0_asleep_holds_no_part_up_and_one_that_asks_af
             await p.stop()
 
 
+async def test_a_copy_for_a_part_its_owner_gave_up_is_told_the_part_failed_not_that_it_came_late():
+    """Issue 47 (the churn soak): an owner leaving gives its round up; a copy that came after was told 410
+    ("too late"), so its sender dropped the step that the rest of its group kept (each zeroed the part). It is
+    told 503 now: the part failed for every member alike, and the sender zeroes it too."""
+    config = AveragingConfig(subframe_elements=500)
+    a, b = await start_peers(2, config)
+    try:
+        rng = np.random.default_rng(11)
+        va, vb = (rng.standard_normal(N).astype(np.float32) for _ in range(2))
+        assignment = assign([a, b], [1, 1], deadline_s=8)
+        leaving = asyncio.ensure_future(a.averager.allreduce(assignment, va, 1.0))
+        key = f"{assignment.round_id}/grad"
+        await until(lambda: key in a.averager.owner.rounds, 10, "a's round")
+        leaving.cancel()  # a leaves: its round is given up with its part unreduced
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        status, text = await post_part(b, a, assignment, 0, b"", weight="1.0", elements="0")
+        assert status == 503 and "was not reduced" in text
+        result = await b.averager.allreduce(assignment, vb, 1.0)
+        assert not result.late and 0 in result.failed_parts
+    finally:
+        for p in (a, b):
+            await p.stop()
+
+
 @pytest.mark.parametrize("how", ["server_stopped", "never_called"])
 async def test_dead_part_owner_makes_senders_keep_local_values(how):
     config = AveragingConfig(assignment_wait_s=0.5, connect_timeout_s=1.0)

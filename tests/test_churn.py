@@ -21,20 +21,29 @@ MINUTES = 3.0
 @pytest.mark.timeout(600)
 async def test_volunteers_frozen_killed_and_leaving_all_step_again_within_a_minute(tmp_path):
     lines: list[str] = []
-    report = await soak(tmp_path, minutes=MINUTES, volunteers=5, seed=0, say=lines.append)
-    story = "\n".join(lines)
+    # (each process's events and last lines end up in tmp_path / "logs", also when the soak fails)
+    report = await soak(
+        tmp_path, minutes=MINUTES, volunteers=5, seed=0, say=lines.append, logs_to=tmp_path / "logs"
+    )
+    story = "\n".join([*lines, f"logs: {tmp_path / 'logs'}"])
 
-    # the faults happened: every kind, each volunteer brought back
+    # the run went on: never 60 s without a step, steps in every third
+    assert report["longest_without_step_s"] < 60.0, "\n".join(
+        [
+            f"no step for {report['longest_without_step_s']} s from +{report['longest_without_step_at_s']} s;"
+            " the volunteers' warnings then:",
+            *report["warnings_around_it"],
+            story,
+        ]
+    )
+    assert all(x > 0 for x in report["steps_per_min_thirds"]), report["steps_per_min_thirds"]
+
+    # the faults happened: every kind
     back = report["faults"]
     assert {"freeze", "kill", "leave"} <= {b["kind"] for b in back}, story
-    assert len(back) >= 3, story
-    # ...and each one back took a step of its own after it (restarted, rejoined or woken) within RECOVERY_S
+    # ...and each volunteer back took a step of its own (restarted, rejoined or woken) within RECOVERY_S
     late = [b for b in back if b["first_step_s"] is None or b["first_step_s"] > RECOVERY_S]
-    assert not late, (late, story)
-
-    # the run went on: steps in every third, never 60 s without one
-    assert all(x > 0 for x in report["steps_per_min_thirds"]), report["steps_per_min_thirds"]
-    assert report["longest_without_step_s"] < 60.0, report["longest_without_step_at_s"]
+    assert not late, "\n".join([*map(str, late), story])
 
     # no traceback in any process's output, and every process ended as it was told to
     tracebacks = report["tracebacks"]

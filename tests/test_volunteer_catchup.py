@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from crowdtrain.protocol.client import TrackerClient
+from crowdtrain.protocol.errors import AveragingError
+from crowdtrain.volunteer import catchup
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.catchup import STATE_POLL_S, averages_needed
 from crowdtrain.volunteer.config import VolunteerConfig
@@ -187,3 +189,39 @@ async def test_a_newcomer_waits_with_one_sentence_and_no_rounds_while_the_donors
                 beat.cancel()
                 vol.stop()
                 await asyncio.wait_for(task, 30)
+
+
+@pytest.mark.timeout(180)
+async def test_volunteers_that_all_lost_one_round_resume_alike_from_the_newest_agreed_state(
+    tmp_path, monkeypatch
+):
+    """Issue 47 (the churn soak): a member left during the later phase of a round; every other member lost
+    that round and fetched the state, waiting for one newer than the round, which only a stepping peer would
+    make: the run stood still for good. Now, the run's step unmoved for STALL_S, each takes the newest agreed
+    state, skips the same averages and steps on, and they hold the same bytes again."""
+    monkeypatch.setattr(catchup, "STALL_S", 3.0)
+    lost = 5  # the round every volunteer loses
+    async with published_run(tmp_path, target_batch_size=32) as run:
+        recs = [Recorder(), Recorder()]
+        events: list[list[ev.Event]] = [[], []]
+        vols = volunteers(run, tmp_path, 2, record=recs, emit=[e.append for e in events], max_steps=lost + 5)
+        tasks = [asyncio.create_task(v.run()) for v in vols]
+        await until(lambda: all(v._run is not None for v in vols), 60, "both joined", watching=tasks)
+        for v in vols:
+            allreduce = v._run.averager.allreduce
+
+            async def failing(assignment, vector, weight, *, tag="grad", _allreduce=allreduce, **kw):
+                if assignment.step == lost:  # the fault: this round is lost by everyone
+                    raise AveragingError(f"the test's fault: round {lost} lost by every member")
+                return await _allreduce(assignment, vector, weight, tag=tag, **kw)
+
+            v._run.averager.allreduce = failing
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks), 150)
+    for seen in events:
+        said = [e.message for e in seen if isinstance(e, ev.LogLine) and "has not stepped for" in e.message]
+        assert len(said) == 1, said
+    assert all(s.steps_done >= 3 for s in summaries), summaries
+    after = [k for k in recs[0].params if k > lost + 1 and k in recs[1].params]
+    assert after, (sorted(recs[0].params), sorted(recs[1].params))
+    for k in after:
+        np.testing.assert_array_equal(recs[0].params[k], recs[1].params[k], err_msg=f"step {k}")

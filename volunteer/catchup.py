@@ -20,13 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Container
 from pathlib import Path
 
 import numpy as np
 
 from crowdtrain.protocol.errors import DonorsDisagree, ProtocolError, StateSyncError, TrackerError
-from crowdtrain.protocol.messages import DonorList
+from crowdtrain.protocol.messages import DonorList, replace
 from crowdtrain.volunteer.averaging.averages import KEEP_STEPS, fetch_average
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
@@ -56,6 +57,9 @@ AVERAGES_WAIT_S = 15.0  # fetching the averages of missed steps takes at most th
 # A peer waiting for a newer state asks the tracker's donor list at least this often (seconds).
 STATE_POLL_S = 5.0
 WAIT_STATE_S = 2.0  # no peer serves the run's state: ask again this often
+# Waiting for a state newer than the donors', with the run's step unmoved this long (or 3 steps' time, if
+# longer): nobody steps, so none will come; the newest agreed state is taken without the averages after it.
+STALL_S = 30.0
 
 
 class OwnState:
@@ -149,6 +153,9 @@ class CatchUp:
         self._pending: asyncio.Task[Path | OwnState | None] | None = None  # the fetch under way
         self.waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
         self._older_than = 0  # a state below this step arrived of no use: wait for a newer one
+        # the run stalled while this peer waited for a newer state (see _newest_donors): load the newest
+        # agreed state although the averages after it are lost
+        self._stalled = False
 
     @property
     def active(self) -> bool:
@@ -192,27 +199,11 @@ class CatchUp:
     # ------------------------------------------------------------------ fetching
 
     async def _newest_donors(self, replay_from: int) -> DonorList:
-        """The tracker's donor list, once it lists a state this peer can replay from (of step ≥
-        ``replay_from``). An older one would be fetched for nothing: the averages between its step and
-        ``replay_from`` passed before this peer kept them. Donors write snapshots every few steps (the
-        larger the state, the fewer), so a newcomer usually waits for the next one."""
-        run, said = self.run, False
-        replay_from = max(replay_from, self._older_than)
-        while True:
-            # (not counting its own snapshots: they are not the run's state, as it fell behind)
-            donors = await run.tracker.donors(run.config.run_id, without=run.peer_id)
-            if donors.state is None or donors.state.step >= replay_from:
-                return donors
-            if not said:
-                run.note(
-                    logging.INFO,
-                    "the newest state served is of step %d; waiting for one of step %d or later to fetch",
-                    donors.state.step,
-                    replay_from,
-                )
-                said = True
-            step_s = self.snaps.step_s
-            await asyncio.sleep(min(STATE_POLL_S, max(0.2, step_s / 2)) if step_s else 1.0)
+        """:func:`newest_donors` for this peer (and whether the run stalled meanwhile)."""
+        donors, self._stalled = await newest_donors(
+            self.run, max(replay_from, self._older_than), lambda: self.snaps.step_s
+        )
+        return donors
 
     async def _fetch_averages(self) -> bool:
         """:meth:`_fetch_missed`, within AVERAGES_WAIT_S (then the state is fetched)."""
@@ -280,8 +271,8 @@ class CatchUp:
             raise StateSyncError(donors.reason or "the one peer serving state serves none of the run's steps")
         if donors.state is None or not donors.donors:
             return None
-        if donors.serving >= 2 and len({d.peer_id for d in donors.donors}) < 2:
-            # never load a state only one peer vouches for when two could
+        if donors.serving >= 2 and len({d.peer_id for d in donors.donors}) < 2 and not self._stalled:
+            # never load a state only one peer vouches for when two could (stalled: this peer is the other)
             raise StateSyncError(
                 f"the tracker lists one donor of state step {donors.state.step} while {donors.serving} peers "
                 "serve state"
@@ -373,7 +364,22 @@ class CatchUp:
         target = max(0, run.pos.step - run.delay)
         pending_step = target if run.delay and run.pos.step > 0 else None
         missing = [s for s in averages_needed(header.step, run.pos.step, run.delay) if s not in replay]
-        if missing:
+        stalled, self._stalled = self._stalled, False
+        if missing and stalled:
+            # every peer that waits takes this same state and skips every average after it, kept or not: they
+            # then hold the same bytes whatever each kept (those steps' progress is lost)
+            missing = list(averages_needed(header.step, run.pos.step, run.delay))
+            run.note(
+                logging.WARNING,
+                "the run has not stepped for %.0f s and no peer holds a state newer than step %d: resuming from "
+                "it at step %d without the averages of steps %d-%d (their progress is lost)",
+                STALL_S,
+                header.step,
+                target,
+                missing[0],
+                missing[-1],
+            )
+        elif missing:
             await asyncio.to_thread(fetched.unlink, True)
             replay.clear()
             run.note(
@@ -390,13 +396,13 @@ class CatchUp:
         finally:
             fetched.unlink(missing_ok=True)  # noqa: ASYNC240 (one file; must go even when cancelled)
         self._drop()  # (each step replayed would zero it anyway)
-        await self._replay_steps(loaded.step, target)
+        await self._replay_steps(loaded.step, target, skip=set(missing))
         if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
             # (delay 0 only: with delay 1 such a state lacks an average this peer holds no copy of)
             run.pos.step = run.pos.applied = loaded.step
         else:
             run.pos.applied = target
-            if pending_step is not None and pending_step >= loaded.step:
+            if pending_step is not None and pending_step >= loaded.step and pending_step not in missing:
                 grad, params = await asyncio.to_thread(replay.take, pending_step)
                 self.rounds.hold(Round.replayed(pending_step, grad, params))  # applied when this step closes
         await self._caught_up(
@@ -434,11 +440,14 @@ class CatchUp:
         run.note(logging.INFO, message, *args)
         run.phase("training")
 
-    async def _replay_steps(self, first: int, end: int) -> None:
-        """Apply the kept averages of steps ``first`` … ``end - 1`` to the loaded state."""
+    async def _replay_steps(self, first: int, end: int, skip: Container[int] = ()) -> None:
+        """Apply the kept averages of steps ``first`` … ``end - 1`` to the loaded state (but those in ``skip``,
+        which no peer applied)."""
         run, replay = self.run, self.replay
         trainer = run.trainer
         for s in range(first, end):
+            if s in skip:
+                continue
             # read into the trainer's own gradient buffer (on a CPU): the replay holds no vector of its own
             grad, params = await asyncio.to_thread(replay.take, s, trainer.mean_buffer())
             if run.delay and params is not None:
@@ -523,3 +532,40 @@ class CatchUp:
             self.snaps.kept,
         )
         self.snaps.serve_now()
+
+
+async def newest_donors(
+    run: JoinedRun, replay_from: int, step_s: Callable[[], float]
+) -> tuple[DonorList, bool]:
+    """The tracker's donor list, once it lists a state a peer can replay from (of step ≥ ``replay_from``). An
+    older one would be fetched for nothing: the averages between its step and ``replay_from`` passed before the
+    peer kept them. Donors write snapshots every few steps (the larger the state, the fewer), so a newcomer
+    usually waits for the next one. True beside it when the run stalled instead (its step unmoved STALL_S, or
+    3 steps' time): nobody steps, so no newer state will come; the newest agreed state is then listed."""
+    said = False
+    seen, since = run.pos.step, time.monotonic()
+    while True:
+        # (not counting its own snapshots: they are not the run's state, as it fell behind)
+        donors = await run.tracker.donors(run.config.run_id, without=run.peer_id)
+        if donors.state is None or donors.state.step >= replay_from:
+            return donors, False
+        if run.pos.step != seen:
+            seen, since = run.pos.step, time.monotonic()
+        elif time.monotonic() - since >= max(STALL_S, 3 * (step_s() or 0.0)):
+            # Every peer lost the same round (say, a member left in its later phase) and waits, like this
+            # one, for a state only a stepping peer would make. The newest agreed state is everyone's way on:
+            # each that waits takes it (its own snapshots counted now: all must pick the same one) and skips
+            # the same averages.
+            everyone = await run.tracker.donors(run.config.run_id)
+            others = [d for d in everyone.donors if d.peer_id != run.peer_id]
+            return (replace(everyone, donors=others) if others else everyone), True
+        if not said:
+            run.note(
+                logging.INFO,
+                "the newest state served is of step %d; waiting for one of step %d or later to fetch",
+                donors.state.step,
+                replay_from,
+            )
+            said = True
+        wait = step_s()
+        await asyncio.sleep(min(STATE_POLL_S, max(0.2, wait / 2)) if wait else 1.0)

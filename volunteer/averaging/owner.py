@@ -59,6 +59,17 @@ WEIGHT0_GRACE_S = 1.0
 UPLOAD_EMA = 0.5
 
 
+def _refuse_if_over(finished: collections.OrderedDict[str, bool], key: str, part: int) -> None:
+    """Refuse a copy for a round that is over here: 410 (too late: the others averaged without it), or 503
+    when my part of it was never reduced (I gave the round up, e.g. leaving): that part failed for every
+    member alike, which a late copy's sender must know, or it would drop the step the others keep."""
+    if key not in finished:
+        return
+    if not finished[key]:
+        raise _Refused(503, f"part {part} of round {key} was not reduced (its owner gave the round up)")
+    raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+
+
 class _Refused(Exception):
     """A copy this owner will not take: answered with ``status`` and the sentence ``text``."""
 
@@ -91,7 +102,8 @@ class Owner:
         self.upload_bps: float | None = None  # see UPLOAD_MIN_BYTES
         self._coder = coder
         self.rounds: dict[str, Round] = {}
-        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # finished round keys, and whether my part of each was reduced (False: it failed for every member)
+        self.finished: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self._registered: asyncio.Condition | None = None
         # tag -> (the values it spans, their residual)
         self._down_residuals: dict[str, tuple[tuple[int, int], Residual]] = {}
@@ -114,10 +126,12 @@ class Owner:
     def retire(self, rnd: Round) -> None:
         """End ``rnd``: senders still waiting are answered now (streaming ones stop waiting), later ones are
         told it is over for as long as ``remember_rounds`` rounds are remembered."""
-        if rnd.reducer is not None:
-            rnd.reducer.abandon(f"round {rnd.key} was abandoned")
+        red = rnd.reducer
+        reduced = red is None or (red.outcome is not None and red.outcome.values is not None)
+        if red is not None:
+            red.abandon(f"round {rnd.key} was abandoned")
         del self.rounds[rnd.key]
-        self.finished[rnd.key] = None
+        self.finished[rnd.key] = reduced
         while len(self.finished) > self.config.remember_rounds:
             self.finished.popitem(last=False)
 
@@ -276,12 +290,10 @@ class Owner:
 
     async def _receive(self, request: web.Request) -> web.StreamResponse:
         key, part, cred, declared, elements = self._parse(request)
-        if key in self.finished:
-            raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+        _refuse_if_over(self.finished, key, part)
         rnd = await self._find_round(key)
         if rnd is None:
-            if key in self.finished:
-                raise _Refused(410, f"round {key} is over on this peer; the contribution came too late")
+            _refuse_if_over(self.finished, key, part)
             raise _Refused(404, f"this peer has no assignment for round {key}; is the round id right?")
         member = rnd.members.get(cred.peer_id)
         if member is None or member.public_key != cred.public_key:
