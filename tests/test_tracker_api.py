@@ -404,22 +404,6 @@ async def reachable_volunteers(admin, run_id, servers) -> list[SimVolunteer]:
     return vols
 
 
-async def test_a_reachable_peer_of_weight_0_owns_no_part_while_peers_with_samples_can(admin, run_id):
-    """Issue 47: a peer catching up (weight 0) only receives the mean; as a part owner, slow or asleep, it
-    held up every member's round."""
-    async with PingServer() as a, PingServer() as b, PingServer() as c, PingServer() as d:
-        vols = await reachable_volunteers(admin, run_id, (a, b, c, d))
-        weights = (40, 40, 40, 0)  # (the target is 100)
-        for v, w in zip(vols, weights, strict=True):
-            await v.heartbeat(0, w)
-        replies = await asyncio.gather(*(v.ready(0, w) for v, w in zip(vols, weights, strict=True)))
-        assert [r.status for r in replies] == ["group"] * 4
-        [members] = {tuple(r.assignment.members) for r in replies}
-        parts = {m.peer_id: m.part for m in members}
-        assert parts[vols[3].peer_id] == -1
-        assert sorted(parts[v.peer_id] for v in vols[:3]) == [0, 1, 2]
-
-
 async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(admin, run_id):
     async with PingServer() as a, PingServer() as b, PingServer() as c:
         va, vb, vc = vols = await reachable_volunteers(admin, run_id, (a, b, c))

@@ -414,7 +414,6 @@ class RunState:
         if not any(c.reachable for c in candidates):
             self._reopen()
             return
-        candidates = _owners_with_weight(candidates, self.peers)
         phases = plan(candidates, self.spec.averaging.group_size, seed)
         step = self.global_step
         log.debug(
@@ -556,20 +555,6 @@ class RunState:
     def refusal(self) -> str | None:
         """The sentence a volunteer's request gets once its admin closed the run (None while it is open)."""
         return self.closed
-
-
-def _owners_with_weight(candidates: list[Candidate], peers: dict[str, Peer]) -> list[Candidate]:
-    """Part owners are peers that bring samples, or backbones (which come to reduce): a reachable peer with
-    weight 0 that is no backbone (one catching up, whose parameters are not the run's yet) owns no part while
-    another reachable peer can, so one that is slow, stuck or asleep holds up no part of anyone's round; it
-    only receives the mean (issue 47)."""
-
-    def owns(c: Candidate) -> bool:
-        return c.reachable and (c.weight > 0 or peers[c.peer_id].backbone)
-
-    if not any(owns(c) for c in candidates):
-        return candidates
-    return [c if owns(c) == c.reachable else Candidate(c.peer_id, False, c.weight) for c in candidates]
 
 
 def eval_refusal(run: RunState, report: EvalReport) -> str | None:
