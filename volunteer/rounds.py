@@ -222,9 +222,10 @@ class Rounds:
         accumulates again); with delay 1 and ``reuse`` the means land in two buffers kept between steps (the
         gradient's buffer receives the next step's gradient before this mean is applied).
 
-        A part whose owner failed keeps its local values, which are this peer's alone: they are zeroed, as
-        every member that lost the same owner does, so the group stays equal (the failures are returned,
-        one phrase each)."""
+        A part whose owner failed keeps its local values, which are this peer's alone: in the first phase they
+        are zeroed, as every member that lost the same owner does, so the group stays equal (the failures are
+        returned, one phrase each); in a later phase the other columns reduced that part, so the round fails
+        (:class:`AveragingError`) and the peer fetches the state."""
         run = self.run
         values, failed = vector, []
         for i, a in enumerate(phases):

@@ -232,9 +232,8 @@ class Owner:
             PartReducer.reduce_slice(terms, a, b, out[a:b])
         kept, (start, stop) = self._down_residuals.get(rnd.tag), rnd.bounds[rnd.my_part]
         res = None
-        if rnd.shared:
-            pass  # (a later phase: every column's owner must answer the same bytes)
-        elif kept is not None and kept[0][0] <= start and stop <= kept[0][1]:  # (it spans my part)
+        # (a later phase has no residual: every column's owner must answer the same bytes; else it spans my part)
+        if not rnd.shared and kept is not None and kept[0][0] <= start and stop <= kept[0][1]:
             at = start - kept[0][0]
             res = kept[1][at + a : at + b]
         header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
