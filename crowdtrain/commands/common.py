@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Coroutine
@@ -11,6 +12,8 @@ from typing import Any, TypeVar
 import typer
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # The exit codes of every command (README "Exit codes"): here, below the commands and crowdtrain.cli both.
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -34,14 +37,40 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     an all-reduce round does besides copying (see docs/benchmarks.md, "All-reduce"). ``CROWDTRAIN_LOOP=
     asyncio`` chooses asyncio's own loop, e.g. to rule uvloop out when chasing a bug.
     """
+    loop: asyncio.AbstractEventLoop | None = None
     if os.environ.get("CROWDTRAIN_LOOP", "").lower() != "asyncio":
         try:
             import uvloop
         except ImportError:  # Windows: uvloop does not exist there
             pass
         else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
+            loop = uvloop.new_event_loop()
+    loop = loop or asyncio.new_event_loop()
+    loop.set_exception_handler(quiet_upload_ends)
+    return loop
+
+
+def quiet_upload_ends(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: asyncio's, but for one failure aiohttp leaves unretrieved.
+
+    aiohttp (3.14) writes a streamed request body in a task of its own; when the peer closes the
+    connection while that task waits to drain the last chunk, the body ends "written" and the final
+    ``write_eof`` raises ``ClientConnectionResetError`` out of the task. The request itself already failed
+    (the caller got ``ServerDisconnected`` and said so), and aiohttp cancels the task only if it is still
+    running, so the same failure came back a second time as "Task exception was never retrieved" and a
+    traceback on the volunteer's screen (seen when an owner left mid-round: bench/churn.py). It is logged
+    here as one line; every other unhandled failure goes to asyncio's handler as before.
+    """
+    task = context.get("task", context.get("future"))
+    exc = context.get("exception")
+    coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+    if (
+        isinstance(exc, ConnectionResetError)
+        and getattr(coro, "__qualname__", "") == "ClientRequest.write_bytes"
+    ):
+        log.info("an upload's connection closed before its last bytes (%s); the request already failed", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
