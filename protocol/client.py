@@ -23,6 +23,8 @@ from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError, TrackerError, TrackerUnreachable
 from crowdtrain.protocol.limits import MAX_TOKENIZER_BYTES, MAX_TORRENT_BYTES, Limits
 from crowdtrain.protocol.messages import (
+    Complaint,
+    ComplaintReply,
     Credential,
     CutCall,
     CutVerdict,
@@ -311,6 +313,14 @@ class TrackerClient:
         waits for the decision (at most the round's deadline, which ``wait_s`` should reach)."""
         data = await self._signed(run_id, "cut", call, key, credential, timeout_s=wait_s + self.timeout_s)
         return self._decode(data, CutVerdict)
+
+    async def complain(
+        self, run_id: str, complaint: Complaint, key: SigningKey, credential: Credential
+    ) -> ComplaintReply:
+        """Report a part owner whose answer's receipt did not hold (protocol/receipts.py)."""
+        return self._decode(
+            await self._signed(run_id, "complaint", complaint, key, credential), ComplaintReply
+        )
 
     async def spot_check(
         self, run_id: str, verdict: SpotCheckVerdict, key: SigningKey, credential: Credential

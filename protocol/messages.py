@@ -524,6 +524,32 @@ class SpotCheckVerdict(Message, frozen=True, kw_only=True):
     detail: Label = ""  # the figures behind it, in a few words
 
 
+class Complaint(Message, frozen=True, kw_only=True):
+    """``POST /api/v1/runs/{id}/complaint``: a member of a round whose part owner answered with a receipt
+    that does not hold (protocol/receipts.py). The tracker checks the receipt's own arithmetic: broken, it
+    bars the owner's key at once (the receipt, signed by the owner, is the proof); else it counts an
+    accusation, one per accusing address, as it counts failed spot-checks."""
+
+    version: Version = VERSION
+    peer_id: PeerId  # the member complaining
+    assignment: GroupAssignment  # the round, as the tracker signed it
+    tag: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]  # grad, params, grad-p1, ...
+    owner: PeerId
+    receipt: Annotated[
+        str, Meta(pattern=r"^[0-9a-f]*$", max_length=2 * (100 + 28 * 256))
+    ]  # hex, &le; 256 members
+    why: Annotated[str, Meta(max_length=300)]  # what the member found, in its words
+
+
+class ComplaintReply(Message, frozen=True, kw_only=True):
+    """What the tracker made of a :class:`Complaint`: the owner ``barred`` (on proof, or at its second
+    accuser), ``already barred``, or ``accused`` (counted)."""
+
+    version: Version = VERSION
+    outcome: Literal["barred", "already barred", "accused"]
+    proven: bool  # the receipt alone showed it
+
+
 # ---------------------------------------------------------------- state directory
 
 
@@ -614,7 +640,8 @@ class CreditRecord(Message, frozen=True, kw_only=True):
     steps: Count  # steps it was averaged in (a backbone's, at weight 0, count too)
     last_step: Count  # the newest of them
     verified: Count = 0  # spot-checks its contributions passed
-    rejected: Count = 0  # spot-checks they failed (from distinct checkers' addresses)
+    rejected: Count = 0  # spot-checks they failed, and receipts accused (each from a distinct address)
+    barred: Annotated[str, Meta(max_length=400)] = ""  # why the key is barred on proof (its own receipt)
 
 
 class RunStatus(Message, frozen=True, kw_only=True):

@@ -15,8 +15,7 @@ step  what it sends                               what the honest part owners do
                                                   ``RoundDone.duplicates``
 ====  ==========================================  =====================================================
 
-It is in client mode (owns no part): a hostile *part owner* can answer with any finite values and is not
-detected (see docs/security.md). Outcome asserted: every hostile step is visible in the honest owners'
+It is in client mode (owns no part): hostile *part owners* are tests/test_receipts.py's. Outcome asserted: every hostile step is visible in the honest owners'
 events, the honest volunteers' parameters stay finite and identical after every step, and their loss falls.
 """
 
@@ -318,21 +317,22 @@ async def test_newcomer_bans_a_donor_serving_another_state_and_loads_the_true_on
 
 
 @pytest.mark.parametrize("answer", ["finite", "nan"])
-async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(answer):
-    """Pins the gap docs/security.md names: answers of a part owner are not signed or cross-checked. A
-    finite wrong answer is used by every member (they stay equal, but wrong); a non-finite one is refused
-    and each member keeps its own values for that part (they drift apart).
+async def test_a_hostile_part_owner_answer_is_refused_finite_or_not(answer):
+    """A part owner that answers 123.0 everywhere (finite) or NaN: neither is applied. The finite one comes
+    with the receipt an unmodified owner signs of what it sent (its terms against that answer), which breaks
+    ``‖a‖² = Σ g``: proof against it; the NaN one is malformed. Each member keeps its own values for the part
+    (the engine then zeroes it, as every member does), and the other parts are the exact mean.
 
     The hostile owner has weight 0, so it sends no copies and its coder only ever encodes its answers."""
     peers = await start_peers(3, AveragingConfig(), prefix=f"own-{answer}-")
     try:
         coder = peers[0].averager._coder
-        encode_sent = coder.encode_sent
+        encode_raw = coder.encode_raw
 
         def forged(values, residual=None, **kw):
-            return encode_sent(np.full_like(values, 123.0 if answer == "finite" else np.nan), residual, **kw)
+            return encode_raw(np.full_like(values, 123.0 if answer == "finite" else np.nan), residual, **kw)
 
-        coder.encode_sent = forged
+        coder.encode_raw = forged
         rng = np.random.default_rng(1)
         vectors = [rng.standard_normal(3000).astype(np.float32) for _ in peers]
         results = await run_round(peers, assign(peers, [0, 1, 1]), vectors, [0, 1, 1])
@@ -343,12 +343,10 @@ async def test_a_hostile_part_owner_is_trusted_when_finite_and_ignored_when_not(
     for i in (1, 2):
         r = results[i]
         np.testing.assert_allclose(r.values[1000:], mean[1000:], rtol=1e-5, atol=1e-6)  # honest parts
-        if answer == "finite":
-            assert r.failed_parts == ()
-            np.testing.assert_array_equal(r.values[:1000], 123.0)
-        else:
-            assert r.failed_parts == (0,) and "malformed" in r.reasons["part 0"], r.reasons
-            np.testing.assert_array_equal(r.values[:1000], vectors[i][:1000])
+        assert r.failed_parts == (0,), r.reasons
+        why = r.reasons["part 0"]
+        assert ("not the mean of the copies listed" if answer == "finite" else "malformed") in why, why
+        np.testing.assert_array_equal(r.values[:1000], vectors[i][:1000])
 
 
 @pytest.mark.slow

@@ -24,11 +24,13 @@ import pytest
 import torch
 from aiohttp import web
 
+from crowdtrain.protocol import receipts
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.codecs import Codec, Compressor
 from crowdtrain.protocol.credentials import SigningKey, issue_credential, request_bytes, sign_assignment
 from crowdtrain.protocol.messages import (
     PEER_PROTOCOL,
+    Complaint,
     Credential,
     CutCall,
     GroupAssignment,
@@ -408,7 +410,28 @@ TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         ),
         world_body=True,
     ),
+    # (the valid complaint is an accusation: the receipt "a" signed holds by its own arithmetic)
+    ("POST", "/api/v1/runs/{run_id}/complaint"): signed_route(
+        "complaint",
+        lambda w, m: Complaint(
+            peer_id=m.peer_id,
+            assignment=cut_round(w, m),
+            tag="grad",
+            owner=w.members["a"].peer_id,
+            receipt=consistent_receipt(w, m).hex(),
+            why="the receipt says this member's copy has norm 2, not 1",
+        ),
+        world_body=True,
+    ),
 }
+
+
+def consistent_receipt(w: World, m: Member) -> bytes:
+    """A receipt "a" signs for its part of :func:`cut_round`: both copies of norm 1 and weight 1, the answer
+    their mean with norm 1 (each term ½ of it): nothing in it is wrong by itself."""
+    lines = (receipts.Line(1.0, 1.0, 0.5, 0), receipts.Line(1.0, 1.0, 0.5, 1))
+    r = receipts.Receipt(0, False, 1.0, b"\0" * 16, lines)
+    return r.signed(w.members["a"].key, w.public, f"cut-{m.peer_id}/grad").to_bytes()
 
 
 def cut_round(w: World, m: Member) -> GroupAssignment:

@@ -129,6 +129,16 @@ def script() -> list[ev.Event]:
         ),
         ev.StepMissed(t=T0 + 30, step=42, now_step=44, dropped_samples=48),
         ev.RoundFailed(t=T0 + 31, round_id="rd-44", step=44, reason="group had 1 member"),
+        ev.AnswerRefused(
+            t=T0 + 31,
+            round_id="rd-45",
+            step=45,
+            owner="p-evil",
+            part=2,
+            reason="the answer is not the mean of the copies listed",
+            proven=True,
+            tracker="barred",
+        ),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
         ev.StateServed(t=T0 + 33, step=41, content_hash="99aa88bb77cc66dd", size=8_000_000),
         ev.Evaluated(
@@ -220,7 +230,8 @@ def test_render_shows_each_panels_figures():
         "last failure step 44: group had 1 member",
         # recent log lines
         "WARNING tracker answered slowly (2.1 s)",
-        "WARNING round rd-44 for step 44 failed: group had 1 member",
+        # (the round failed at step 44 is one line older than the panel's six)
+        "WARNING step 45: part 2's answer from owner p-evil refused (the answer is not the mean",
     ]:
         assert has(text, pattern), f"{pattern!r} not on screen:\n{text}"
     for title in ("collaboration", "local training", "data set", "state sync", "averaging", "recent"):
@@ -560,6 +571,11 @@ def expected_plain() -> list[str]:
             "WARNING missed step 42 (collaboration at 44); 48 samples dropped (computed on that step's parameters); fetching the state",
         ),
         (31, "WARNING round rd-44 for step 44 failed: group had 1 member"),
+        (
+            31,
+            "WARNING step 45: part 2's answer from owner p-evil refused (the answer is not the mean of the copies "
+            "listed); the tracker: barred",
+        ),
         (32, "WARNING tracker answered slowly (2.1 s)"),
         (33, "serving state of step 41 (99aa88bb77cc, 8.0 MB)"),
         (33, "held-out evaluation of step 40: loss 2.5012, accuracy 0.4375"),

@@ -90,7 +90,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <tbody></tbody></table>
 <h2>Credit ledger (what each volunteer key put into the averages)</h2>
 <table id=credits><thead><tr><th>volunteer key</th><th>samples averaged</th><th>steps</th><th>last step</th>
-<th>spot-checks passed</th><th>failed</th></tr></thead><tbody></tbody></table>
+<th>spot-checks passed</th><th>failed or accused</th><th>barred on proof</th></tr></thead><tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>
 <th>loss</th></tr></thead><tbody></tbody></table>
@@ -172,7 +172,7 @@ async function refresh() {
     const evals = $("evals").tBodies[0]; evals.replaceChildren();
     for (const e of st.evals) evals.appendChild(row([e.step, num(e.loss, 4), metrics(e) || "–", e.reports]));
     const credits = $("credits").tBodies[0]; credits.replaceChildren();
-    for (const c of st.credits) credits.appendChild(row([c.public_key.slice(0, 16) + "…", c.samples, c.steps, c.last_step, c.verified, c.rejected]));
+    for (const c of st.credits) credits.appendChild(row([c.public_key.slice(0, 16) + "…", c.samples, c.steps, c.last_step, c.verified, c.rejected, c.barred || "–"]));
     text("updated", new Date().toLocaleTimeString());
   } catch (e) { text("notice", "could not read the run's status (" + e.message + "); retrying"); }
 }

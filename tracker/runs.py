@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from crowdtrain.protocol.credentials import SigningKey
-from crowdtrain.protocol.messages import RunSpec, RunStatus, RunSummary, StepHistory
+from crowdtrain.protocol.messages import CreditRecord, RunSpec, RunStatus, RunSummary, StepHistory, replace
 from crowdtrain.tracker.collab import OnFormed, RunState
 from crowdtrain.tracker.store import RunStore
 from crowdtrain.tracker.swarm import Swarms
@@ -81,7 +81,7 @@ class Run:
             evals=state.store.evals(state.run_id),
             inner_steps=state.spec.averaging.inner_steps,
             codec=state.spec.averaging.codec,
-            credits=state.store.credits(state.run_id),
+            credits=_with_bars(state.store.credits(state.run_id), state.store.bars(state.run_id)),
         )
 
     def history(self, limit: int) -> StepHistory:
@@ -159,3 +159,15 @@ class Runs:
         run.deleted = True
         run.torrent = b""
         log.info("run %s deleted by the admin", run.run_id)
+
+
+def _with_bars(credits: list[CreditRecord], bars: dict[str, str]) -> list[CreditRecord]:
+    """The credit ledger, each key barred on proof marked with why (and listed, also without credit)."""
+    out = [replace(c, barred=bars[c.public_key]) if c.public_key in bars else c for c in credits]
+    listed = {c.public_key for c in credits}
+    out += [
+        CreditRecord(public_key=k, samples=0, steps=0, last_step=0, barred=why)
+        for k, why in sorted(bars.items())
+        if k not in listed
+    ]
+    return out

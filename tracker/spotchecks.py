@@ -74,7 +74,8 @@ class SpotChecks:
     _verified: dict[str, int] = field(default_factory=dict)  # key -> checks passed (since start)
     _accusers: dict[str, set[str]] = field(default_factory=dict)  # key -> who rejected it
     _unanswered: dict[str, int] = field(default_factory=dict)  # key -> checks in a row it did not answer
-    _barred: set[str] | None = None  # keys at REJECTIONS_TO_BAR rejections (read from the store once)
+    _barred: set[str] | None = None  # keys at REJECTIONS_TO_BAR rejections (read from the store once)...
+    _proven: dict[str, str] = field(default_factory=dict)  # ...and those barred on proof, with why
 
     @property
     def enabled(self) -> bool:
@@ -171,6 +172,11 @@ class SpotChecks:
             if self._unanswered[key] < UNANSWERED_TO_REJECT:
                 return None
             self._unanswered[key] = 0
+        return self.accuse(key, accuser, run_id)
+
+    def accuse(self, key: str, accuser: str, run_id: str) -> str | None:
+        """A rejection of ``key`` by ``accuser`` (a failed spot-check, or a part owner's receipt that did not
+        hold for the member it answered), counted once per accuser; returns the key when it is now barred."""
         accusers = self._accusers.setdefault(key, set())
         if accuser in accusers:
             return None
@@ -189,12 +195,28 @@ class SpotChecks:
             self._barred = self.store.rejected_keys(
                 self.spec.run_id, REJECTIONS_TO_BAR, REJECTED_SHARE_TO_BAR
             )
+            self._proven = self.store.bars(self.spec.run_id)
+            self._barred |= set(self._proven)
         return self._barred
+
+    def bar_on_proof(self, key: str, reason: str) -> bool:
+        """Bar ``key`` at once: ``reason`` is a fact a signed statement of its own shows (True: newly barred)."""
+        if key in self.barred_keys():
+            return False
+        self.store.bar(self.spec.run_id, key, reason)
+        self._proven[key] = reason
+        self.barred_keys().add(key)
+        return True
 
     def refusal(self, key: str) -> str | None:
         """The sentence a barred key's requests get (None: it is not barred)."""
         if key not in self.barred_keys():
             return None
+        if key in self._proven:
+            return (
+                f"run {self.spec.run_id} takes nothing more from this volunteer's key: as a part owner it "
+                f"signed a receipt that does not hold ({self._proven[key]}); see docs/security.md"
+            )
         return (
             f"run {self.spec.run_id} takes nothing more from this volunteer's key: its gradients failed "
             f"{REJECTIONS_TO_BAR} or more spot-checks by other volunteers (recomputed from the samples it "

@@ -44,6 +44,9 @@ CREATE TABLE IF NOT EXISTS credits (
     run_id TEXT NOT NULL, public_key TEXT NOT NULL, samples INTEGER NOT NULL, steps INTEGER NOT NULL,
     last_step INTEGER NOT NULL, verified INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (run_id, public_key));
+CREATE TABLE IF NOT EXISTS bars (
+    run_id TEXT NOT NULL, public_key TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL,
+    PRIMARY KEY (run_id, public_key));
 CREATE TABLE IF NOT EXISTS evals (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, loss REAL NOT NULL, metrics TEXT NOT NULL,
     reports INTEGER NOT NULL, PRIMARY KEY (run_id, step));
@@ -119,6 +122,14 @@ class RunStore(Protocol):
     def record_check(self, run_id: str, public_key: str, passed: bool) -> CreditRecord:
         """Count a spot-check of the identity's contributions (passed: ``verified``, else ``rejected``) and
         return its record."""
+        ...
+
+    def bar(self, run_id: str, public_key: str, reason: str) -> None:
+        """Bar ``public_key`` from the run on proof (a receipt it signed that breaks its own arithmetic)."""
+        ...
+
+    def bars(self, run_id: str) -> dict[str, str]:
+        """The run's keys barred on proof, and why."""
         ...
 
     def rejected_keys(self, run_id: str, at_least: int, share: float = 0.0) -> set[str]:
@@ -235,6 +246,7 @@ class Store:
             self._db.execute("DELETE FROM steps WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM evals WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM credits WHERE run_id = ?", (run_id,))
+            self._db.execute("DELETE FROM bars WHERE run_id = ?", (run_id,))
             self._db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
 
     def close_step(self, run_id: str, record: StepRecord, credits: Sequence[tuple[str, int]] = ()) -> None:
@@ -287,6 +299,17 @@ class Store:
                 f"SELECT {_CREDIT} FROM credits WHERE run_id = ? AND public_key = ?", (run_id, public_key)
             ).fetchone()
         return _credit(row)
+
+    def bar(self, run_id: str, public_key: str, reason: str) -> None:
+        with self._db:
+            self._db.execute(
+                "INSERT OR IGNORE INTO bars (run_id, public_key, reason, at) VALUES (?, ?, ?, ?)",
+                (run_id, public_key, reason, time.time()),
+            )
+
+    def bars(self, run_id: str) -> dict[str, str]:
+        rows = self._db.execute("SELECT public_key, reason FROM bars WHERE run_id = ?", (run_id,)).fetchall()
+        return dict(rows)
 
     def rejected_keys(self, run_id: str, at_least: int, share: float = 0.0) -> set[str]:
         rows = self._db.execute(

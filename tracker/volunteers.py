@@ -5,19 +5,24 @@ and turns its answer (or refusal) into a reply; the rules live there."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 
 from crowdtrain import __version__
+from crowdtrain.protocol import receipts
 from crowdtrain.protocol.addresses import Origin, origin_of
+from crowdtrain.protocol.codecs import Codec
 from crowdtrain.protocol.credentials import issue_credential, verify_assignment
-from crowdtrain.protocol.errors import AuthError
+from crowdtrain.protocol.errors import AuthError, ProtocolError
 from crowdtrain.protocol.messages import (
     MAX_INT,
     PEER_PROTOCOL,
+    Complaint,
+    ComplaintReply,
     CutCall,
     CutVerdict,
     Heartbeat,
@@ -37,6 +42,8 @@ from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
 from crowdtrain.tracker.spotchecks import VerdictRefused
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from crowdtrain.tracker.server import Tracker
@@ -239,6 +246,82 @@ class Volunteers:
         except CutRefused as exc:
             raise ApiError(503, str(exc)) from None
         return json_reply(CutVerdict(decision=decision))
+
+    async def complaint(self, request: web.Request) -> web.Response:
+        """A member's complaint about a part owner's receipt (protocol/receipts.py): a receipt that breaks its
+        own arithmetic bars the owner's key at once; any other counts one accusation from the caller's
+        address (as a failed spot-check does). Answers 200 with what the tracker concluded."""
+        run, msg, public_key = await self._signed(request, Complaint)
+        a = msg.assignment
+        try:
+            verify_assignment(a, self.tracker.signer.public_hex)
+        except AuthError:
+            raise ApiError(403, "the assignment is not one this tracker signed") from None
+        if a.run_id != run.run_id:
+            raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
+        members = [m.peer_id for m in a.members]
+        caller = next((m for m in a.members if m.peer_id == msg.peer_id), None)
+        owner = next((m for m in a.members if m.peer_id == msg.owner), None)
+        if caller is None or caller.public_key != public_key:
+            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
+        if owner is None or owner.part < 0 or owner.peer_id == msg.peer_id:
+            raise ApiError(
+                400, f"peer {msg.owner} owns no part of round {a.round_id} that {msg.peer_id} sent to"
+            )
+        kind = msg.tag.split("-p")[0]
+        if kind not in ("grad", "params") or msg.tag != round_tag(kind, a.phase):
+            raise ApiError(
+                400,
+                f"round {a.round_id} runs under {round_tag('grad', a.phase)} and "
+                f"{round_tag('params', a.phase)}, not {msg.tag}",
+            )
+        try:
+            receipt = receipts.Receipt.parse(bytes.fromhex(msg.receipt), len(members))
+            receipt.verify(owner.public_key, run.run_id, f"{a.round_id}/{msg.tag}")
+        except (ValueError, ProtocolError, AuthError) as exc:
+            raise ApiError(422, f"the receipt is not {msg.owner}'s for round {a.round_id}: {exc}") from None
+        uniform = all(m.weight == 0 for m in a.members)
+        avg = run.spec.averaging
+        finding = receipts.check(
+            receipt,
+            part=owner.part,
+            owner=members.index(owner.peer_id),
+            weights=[1.0 if uniform else float(m.weight) for m in a.members],
+            clip_multiple=avg.clip_multiple,
+            codec=Codec.parse(avg.codec),
+            shared=a.phase > 0,
+        )
+        where = origin_of(request.remote)
+        accuser = where.address if where is not None else f"key {public_key}"
+        outcome: Literal["barred", "already barred", "accused"]
+        if finding is not None and finding.proven:
+            barred = run.checks.bar_on_proof(
+                owner.public_key, f"round {a.round_id} part {owner.part}: {finding.why}"
+            )
+            outcome = "barred" if barred else "already barred"
+            log.warning(
+                "run %s: %s (%s) barred on its own receipt: %s",
+                run.run_id,
+                msg.owner,
+                owner.public_key[:12],
+                finding.why,
+            )
+        else:
+            barred = run.checks.accuse(owner.public_key, accuser, run.run_id) is not None
+            outcome = "barred" if barred else "accused"
+            log.warning(
+                "run %s: %s accuses part owner %s of round %s: %s",
+                run.run_id,
+                msg.peer_id,
+                msg.owner,
+                a.round_id,
+                msg.why,
+            )
+        if barred:
+            for peer in [p for p in run.peers.values() if p.public_key == owner.public_key]:
+                run.remove(peer.peer_id)
+            run.maybe_form(time.time())
+        return json_reply(ComplaintReply(outcome=outcome, proven=finding is not None and finding.proven))
 
     async def donors(self, request: web.Request) -> web.Response:
         """The state donors; ``?without=PEER``: that peer's snapshots are not counted (a peer catching up

@@ -206,6 +206,19 @@ class RoundFailed(Event):
     reason: str
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnswerRefused(Event):
+    """A part owner's answer was not applied: its receipt did not hold (protocol/receipts.py)."""
+
+    round_id: str
+    step: int
+    owner: str
+    part: int
+    reason: str
+    proven: bool  # the receipt alone shows it (the tracker bars the owner on it)
+    tracker: str  # what the tracker made of the complaint: barred, already barred, accused; "" unknown
+
+
 # ------------------------------------------------------------ state sync
 
 

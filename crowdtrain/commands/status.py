@@ -86,7 +86,7 @@ def format_status(status) -> str:  # status: RunStatus
         for c in status.credits:
             lines.append(
                 f"    {c.public_key[:16] + '…':<18} {c.samples:>10,} {c.steps:>6} {c.last_step:>9}"
-                f" {c.verified:>8} {c.rejected:>8}"
+                f" {c.verified:>8} {c.rejected:>8}" + (f"  barred: {printable(c.barred)}" if c.barred else "")
             )
     if status.evals:
         lines.append("  held-out evaluations:")

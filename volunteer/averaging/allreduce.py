@@ -59,6 +59,7 @@ answers; :mod:`~crowdtrain.volunteer.averaging.round` holds the round's record a
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
@@ -68,7 +69,9 @@ from aiohttp import web
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
+from crowdtrain.protocol.receipts import Finding
 from crowdtrain.volunteer.averaging.averages import AverageLog
+from crowdtrain.volunteer.averaging.complaints import Complainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.cutting import Cutter, Referee
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
@@ -76,7 +79,9 @@ from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_
 from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder, KeptPart
-from crowdtrain.volunteer.events import Emit, RoundDone, RoundFailed, no_emit
+from crowdtrain.volunteer.events import AnswerRefused, Emit, RoundDone, RoundFailed, no_emit
+
+log = logging.getLogger(__name__)
 
 AWAKE_ROUTE = "/v1/awake"  # answers whenever this peer's loop runs: asked before a vote to cut it
 
@@ -101,8 +106,10 @@ class Averager:
         config: AveragingConfig | None = None,
         emit: Emit = no_emit,
         referee: Referee | None = None,
+        complainer: Complainer | None = None,
     ) -> None:
-        """``referee``: the tracker's decisions on members asleep in a round (None: never cut one)."""
+        """``referee``: the tracker's decisions on members asleep in a round (None: never cut one);
+        ``complainer``: where part owners whose receipts fail are reported (None: only logged)."""
         self.run_id = run_id
         self.tracker_public_key = tracker_public_key
         self.peer_id = peer_id
@@ -110,6 +117,8 @@ class Averager:
         self.credential = credential
         self.config = config or AveragingConfig()
         self.emit = emit
+        self.complainer = complainer
+        self._complaints: set[asyncio.Task[None]] = set()
         self._coder = Coder(self.config)  # one coder for both sides
         self.owner = Owner(
             run_id=run_id,
@@ -117,8 +126,11 @@ class Averager:
             peer_id=peer_id,
             config=self.config,
             coder=self._coder,
+            key=key,
         )
-        self.sender = Sender(key=key, credential=credential, config=self.config, coder=self._coder)
+        self.sender = Sender(
+            key=key, credential=credential, config=self.config, coder=self._coder, run_id=run_id
+        )
         self.cutter = Cutter(peer_id, referee, self.sender.awake) if referee is not None else None
         # spot-checks: the samples of this peer's own gradients, served to checkers; as a checker, the
         # suspect wanted per round id (and the event its copy's arrival sets), and its copy of my part kept
@@ -145,6 +157,8 @@ class Averager:
         ]
 
     async def close(self) -> None:
+        if self._complaints:  # (a complaint still on its way goes, within the tracker client's timeout)
+            await asyncio.wait(list(self._complaints))
         await self.sender.close()
 
     def bounds(self, assignment: GroupAssignment, size: int) -> list[tuple[int, int]]:
@@ -321,6 +335,40 @@ class Averager:
                 f"round {key} reached its deadline before it started; wait for the next group"
             )
 
+    # ------------------------------------------------------------------ complaints
+
+    def _complain(self, rnd: Round, owner: str, part: int, receipt: bytes, finding: Finding) -> None:
+        """Say that ``owner``'s answer was refused (a warning and an event) and tell the tracker, in the
+        background."""
+        a = rnd.assignment
+        log.warning(
+            "round %s: the answer of part owner %s (part %d) was refused: %s",
+            rnd.key,
+            owner,
+            part,
+            finding.why,
+        )
+
+        async def send() -> None:
+            outcome = None
+            if self.complainer is not None:
+                outcome = await self.complainer(a, rnd.tag, owner, receipt, finding.why)
+            self.emit(
+                AnswerRefused(
+                    round_id=a.round_id,
+                    step=a.step,
+                    owner=owner,
+                    part=part,
+                    reason=finding.why,
+                    proven=finding.proven,
+                    tracker=outcome or "",
+                )
+            )
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._complaints.add(task)
+        task.add_done_callback(self._complaints.discard)
+
     # ------------------------------------------------------------------ result
 
     def _finish(
@@ -337,6 +385,8 @@ class Averager:
             "upload": rnd.stats.upload_s,  # its answers, first byte out to last acknowledged (so far)
             "total": duration,
         }
+        for owner, part, receipt, finding in rnd.complaints:
+            self._complain(rnd, owner, part, receipt, finding)
         result = RoundResult(
             round_key=rnd.key,
             values=output,

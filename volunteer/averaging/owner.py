@@ -25,9 +25,10 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from crowdtrain.protocol import peerauth
+from crowdtrain.protocol import peerauth, receipts
 from crowdtrain.protocol.aio import acknowledged, wait_at_most
 from crowdtrain.protocol.codecs import Residual, transform
+from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import AuthError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
 from crowdtrain.volunteer.averaging.config import AveragingConfig
@@ -93,9 +94,17 @@ class Owner:
     """
 
     def __init__(
-        self, *, run_id: str, tracker_public_key: str, peer_id: str, config: AveragingConfig, coder: Coder
+        self,
+        *,
+        run_id: str,
+        tracker_public_key: str,
+        peer_id: str,
+        config: AveragingConfig,
+        coder: Coder,
+        key: SigningKey,
     ) -> None:
         self.run_id = run_id
+        self.key = key  # signs the receipt at the end of each answer (protocol/receipts.py)
         self.tracker_public_key = tracker_public_key
         self.peer_id = peer_id
         self.config = config
@@ -204,6 +213,11 @@ class Owner:
         try:
             for a, b in subframe_bounds(0, stop - start, self.config.frame_elements) if terms else ():
                 red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
+            if terms:
+                receipt = red.receipt(list(rnd.members), rnd.shared)
+                red.receipt_bytes = (
+                    await asyncio.to_thread(receipt.signed, self.key, self.run_id, rnd.key)
+                ).to_bytes()
         finally:
             red.finish(reduce_s=time.perf_counter() - t)
 
@@ -224,20 +238,20 @@ class Owner:
         With a lossy codec the owner keeps its own error-feedback residual for the part it answers with,
         and ``out`` becomes exactly what the receivers decode, so the whole group holds the same numbers.
         """
-        if rnd.in_place:  # my own copy is a term, read until the slice is reduced
-            reduced = np.empty(b - a, dtype=np.float32)
-            PartReducer.reduce_slice(terms, a, b, reduced)
-            out[a:b] = reduced
-        else:
-            PartReducer.reduce_slice(terms, a, b, out[a:b])
+        red = rnd.reducer
+        assert red is not None
+        # (in place, my own copy is a term: it is read until the slice is reduced and witnessed)
+        reduced = np.empty(b - a, dtype=np.float32) if rnd.in_place else out[a:b]
+        PartReducer.reduce_slice(terms, a, b, reduced)
         kept, (start, stop) = self._down_residuals.get(rnd.tag), rnd.bounds[rnd.my_part]
         res = None
         # (a later phase has no residual: every column's owner must answer the same bytes; else it spans my part)
         if not rnd.shared and kept is not None and kept[0][0] <= start and stop <= kept[0][1]:
             at = start - kept[0][0]
             res = kept[1][at + a : at + b]
-        header, body, sent = self._coder.encode_sent(out[a:b], res, stored=rnd.answer_stored)
-        if self.config.codec.lossy:
+        header, body, sent = self._coder.encode_sent(reduced, res, stored=rnd.answer_stored)
+        red.witness(terms, a, b, sent)
+        if rnd.in_place or self.config.codec.lossy:
             out[a:b] = sent
         return header, body
 
@@ -387,7 +401,9 @@ class Owner:
         response = web.StreamResponse(headers={HEADER_ELEMENTS: str(red.length)})
         response.content_type = "application/octet-stream"
         if rnd.answer_stored:  # a known length: no chunked encoding, frames go out without being joined
-            response.content_length = stored_length(red.length, self.config.frame_elements)
+            response.content_length = stored_length(red.length, self.config.frame_elements) + receipts.size(
+                len(rnd.members)
+            )
         sent = 0
         try:
             await response.prepare(request)
@@ -404,6 +420,8 @@ class Owner:
                         await response.write(body)
                         rnd.stats.answered_bytes += len(header) + len(body)
                         sent += 1
+                    if red.receipt_bytes is not None:  # (every frame is out: the receipt of them ends it)
+                        await response.write(red.receipt_bytes)
             except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
                 log.warning("round %s: the answer for part %d did not finish in time", key, part)
             await response.write_eof()

@@ -6,10 +6,11 @@ import asyncio
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from crowdtrain.protocol.receipts import Line, Receipt
 from crowdtrain.volunteer.averaging.wire import KeptPart
 
 
@@ -96,6 +97,15 @@ class PartReducer:
     keep: str | None = None
     kept: np.ndarray | KeptPart | None = None
     arrived: asyncio.Event | None = None
+    # the receipt's witness of the answer (protocol/receipts.py), gathered as each slice is reduced and
+    # encoded: per term of the mean its members (and their weights) and norm, ``f · <copy, answer>``; the
+    # answer's squared norm and digest
+    term_members: list[list[tuple[str, float]]] = field(default_factory=list)
+    term_norms: list[float] = field(default_factory=list)
+    term_dots: list[float] = field(default_factory=list)
+    answer_norm2: float = 0.0
+    answer_hash: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+    receipt_bytes: bytes | None = None  # signed, once the last frame is in
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
@@ -224,8 +234,9 @@ class PartReducer:
             return [], (), "no contribution with a positive weight reached the part owner in time"
         total = math.fsum(c.weight for c in weighted)
         weights = {c.peer_id: c.weight for c in weighted}
+        groups = {c.peer_id: [(c.peer_id, c.weight)] for c in weighted}
         if self.shared is not None and digests is not None:
-            weighted = _merge_identical(weighted, digests, weights)
+            weighted = _merge_identical(weighted, digests, weights, groups)
         scales = {c.peer_id: 1.0 for c in weighted}
         clipped: list[str] = []
         if self.clip_multiple > 0 and len(weighted) > 1:
@@ -242,6 +253,9 @@ class PartReducer:
             for c in weighted
             if (values := c.values) is not None  # (all of them: the type checker cannot know)
         ]
+        self.term_members = [groups[c.peer_id] for c in weighted]
+        self.term_norms = [c.norm for c in weighted]
+        self.term_dots = [0.0] * len(terms)
         return terms, tuple(sorted(clipped)), ""
 
     @staticmethod
@@ -259,6 +273,32 @@ class PartReducer:
         if own is not None and own.weight > 0 and own.values is not None and own.norm > 0:
             return min(own.norm, median)
         return median
+
+    def witness(self, terms: list[Term], a: int, b: int, answer: np.ndarray) -> None:
+        """Add values ``[a, b)`` of the answer, as its receivers decode them, to the receipt's witness: each
+        term's ``f · <copy, answer>``, the answer's squared norm and digest (call in a thread, right after
+        :meth:`reduce_slice` of the same slice, in slice order)."""
+        self.answer_norm2 += float(np.dot(answer, answer))
+        self.answer_hash.update(np.ascontiguousarray(answer).data)
+        for i, (values, factor, owned) in enumerate(terms):
+            if isinstance(values, KeptPart):
+                self.term_dots[i] += float(factor) * float(np.dot(values.values(a, b), answer))
+            elif i > 0 and owned:  # reduce_slice scaled it in place: it is the term itself
+                self.term_dots[i] += float(np.dot(values[a:b], answer))
+            else:
+                self.term_dots[i] += float(factor) * float(np.dot(values[a:b], answer))
+
+    def receipt(self, members: list[str], shared: bool) -> Receipt:
+        """The receipt of the answer (unsigned), once every slice was witnessed: a line per member of the
+        round (in ``members``' order), its share of its term's inner product by weight."""
+        index = {peer: i for i, peer in enumerate(members)}
+        lines = [Line(math.nan, 0.0, 0.0, i) for i in range(len(members))]
+        for group, norm, dot in zip(self.term_members, self.term_norms, self.term_dots, strict=True):
+            total = math.fsum(w for _, w in group)
+            first = index[group[0][0]]
+            for peer, w in group:
+                lines[index[peer]] = Line(w, norm, dot * w / total if total > 0 else 0.0, first)
+        return Receipt(self.part, shared, self.answer_norm2, self.answer_hash.digest(), tuple(lines))
 
     @staticmethod
     def reduce_slice(terms: list[Term], a: int, b: int, out: np.ndarray) -> None:
@@ -280,15 +320,20 @@ class PartReducer:
 
 
 def _merge_identical(
-    weighted: list[Contribution], digests: dict[str, bytes], weights: dict[str, float]
+    weighted: list[Contribution],
+    digests: dict[str, bytes],
+    weights: dict[str, float],
+    groups: dict[str, list[tuple[str, float]]],
 ) -> list[Contribution]:
     """The copies with distinct digests, each the first of its kind in ``weighted``'s order, whose entry in
-    ``weights`` becomes the sum of its kind's weights (whole numbers of samples: exact)."""
+    ``weights`` becomes the sum of its kind's weights (whole numbers of samples: exact), and whose entry in
+    ``groups`` lists its kind's members."""
     first: dict[bytes, Contribution] = {}
     for c in weighted:
         d = digests.get(c.peer_id, c.peer_id.encode())
         if d in first:
             weights[first[d].peer_id] += c.weight
+            groups[first[d].peer_id] += groups.pop(c.peer_id)
         else:
             first[d] = c
     return list(first.values())

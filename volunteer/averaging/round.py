@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember
+from crowdtrain.protocol.receipts import Finding
 from crowdtrain.volunteer.averaging.reducer import PartReducer
 
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # a round id or a tag: one path segment of the route
@@ -89,6 +90,8 @@ class Round:
     output: np.ndarray | None = None  # where the round's result is written
     in_place: bool = False  # ``output`` is this peer's vector itself
     stats: Stats = field(default_factory=Stats)
+    # answers whose receipt failed (protocol/receipts.py): (owner, part, the receipt, what is wrong with it)
+    complaints: list[tuple[str, int, bytes, Finding]] = field(default_factory=list)
     late: bool = False  # an owner refused my copy with 410 (its part or the round had closed), or I was cut
     # cutting a member asleep in the round (tracker/cuts.py): when the round last moved (monotonic), and the
     # owners the group cut

@@ -81,6 +81,14 @@ class Coder:
         only): the body is a copy of the fp32 bytes, never compressed, so the frame's length is known
         before it is encoded.
         """
+        header, body, sent, _ = self.encode_raw(values, residual, stored=stored)
+        return header, body, sent
+
+    def encode_raw(
+        self, values: np.ndarray, residual: Residual | None = None, *, stored: bool = False
+    ) -> tuple[bytes, bytes | memoryview, np.ndarray, bytes | None]:
+        """:meth:`encode_sent`, and the codec's payload before zstd (None for codec none): what its
+        receiver decodes, kept in the codec's size (:func:`untransform` gives the values back)."""
         codec = self.config.codec
         if not codec.lossy:
             fp32 = np.ascontiguousarray(values).data.cast("B")
@@ -88,7 +96,7 @@ class Coder:
                 body: bytes | memoryview = fp32.tobytes()
             else:  # zstd (or the stored body) reads the float32 memory directly: no intermediate copy
                 body = self._compressor().pack(fp32)
-            return pack_header(codec, (values.size,), len(fp32), body), body, values
+            return pack_header(codec, (values.size,), len(fp32), body), body, values, None
         feedback = ErrorFeedback(codec)
         if residual is not None:
             feedback.residual = residual.values()
@@ -96,7 +104,7 @@ class Coder:
         if residual is not None and feedback.residual is not None:  # (transform always leaves one)
             residual.keep(feedback.residual)
         body = self._compressor().pack(raw)
-        return pack_header(codec, (values.size,), len(raw), body), body, sent
+        return pack_header(codec, (values.size,), len(raw), body), body, sent, raw
 
     def decode_into(self, header: FrameHeader, body: bytes | bytearray | None, out: np.ndarray) -> float:
         """Decode one frame body into ``out``; return the squared L2 norm. Raises on non-finite values.
@@ -272,6 +280,7 @@ async def read_part(
     coder: Coder,
     elements: int,
     into: Callable[[int, int], np.ndarray] | KeptPart,
+    trailer: bytearray | None = None,
 ) -> tuple[float, int]:
     """Read ``elements`` values as sub-frames from ``stream`` into ``into(start, stop)`` (decoded to
     float32), or into a :class:`KeptPart` (payloads as they are, each frame where it belongs).
@@ -297,6 +306,9 @@ async def read_part(
             got += n
         if pending is not None:
             norm2 += await pending
+        if trailer is not None:  # (an answer's receipt: a fixed size after the last frame)
+            trailer[:] = await reader.readexactly(len(trailer))
+            nbytes += len(trailer)
         if not await reader.at_end():
             raise ProtocolError(f"body continues after the {elements} values this part holds")
     finally:

@@ -322,6 +322,7 @@ LOGGED: dict[type[ev.Event], Callable[[Any], bool]] = {
     ev.LogLine: _always,
     ev.RoundDone: troubled,
     ev.RoundFailed: _always,
+    ev.AnswerRefused: _always,
     ev.StateSyncStarted: _always,
     ev.DonorBanned: _always,
     ev.StateLoaded: _always,

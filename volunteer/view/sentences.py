@@ -231,6 +231,13 @@ def _state_served(e: ev.StateServed) -> Sentence:
     return "info", f"serving state of step {e.step} ({short_hash(e.content_hash)}, {fmt_bytes(e.size)})"
 
 
+def _answer_refused(e: ev.AnswerRefused) -> Sentence:
+    told = f"; the tracker: {e.tracker}" if e.tracker else ""
+    return "warning", (
+        f"step {e.step}: part {e.part}'s answer from owner {e.owner} refused ({e.reason}){told}"
+    )
+
+
 def _left(e: ev.Left) -> Sentence:
     return "info", f"left the run: {e.reason}"
 
@@ -251,6 +258,7 @@ SENTENCES: dict[type[ev.Event], Callable[[Any], Sentence]] = {
     ev.TorrentStats: _torrent_stats,
     ev.RoundDone: _round_done,
     ev.RoundFailed: _round_failed,
+    ev.AnswerRefused: _answer_refused,
     ev.StateSyncStarted: _sync_started,
     ev.StateSyncProgress: _sync_progress,
     ev.DonorBanned: _donor_banned,
