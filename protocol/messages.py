@@ -116,7 +116,7 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     step_timeout_s: float = 60.0  # a step closes this long after it opened even below the target
     # copies with a norm above this × the lower median of the group's norms (never above the part owner's own
     # copy's norm) are scaled down to it
-    clip_multiple: float = 5.0
+    clip_multiple: float = 1.0  # 1: no copy pulls harder than the median one (issue 48; docs/security.md)
     average_state_every: int = 10  # parameter averaging every this many global steps; 0 = never
     # accepted for older run specs and ignored: a peer that missed a step always drops its
     # accumulation and fetches the state (no gradient outlives its parameters)

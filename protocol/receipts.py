@@ -55,6 +55,20 @@ _TOLERANCE = {Codec.NONE: 1e-4, Codec.FP16: 0.02, Codec.BF16: 0.02, Codec.INT8: 
 OWN_RELATIVE = 1e-3  # a member's own norm and g against its own computation (fp32 sums in another order)
 
 
+# A later phase clips at no less than this multiple: its columns may cut the vector into other parts, so a
+# clip that binds there would clip each column's parts differently and break the one mean; its copies are
+# first-phase means, which sit near their median, so only a crafted copy is that far out (docs/security.md)
+LATER_PHASE_CLIP = 5.0
+
+
+def clip_for_phase(clip_multiple: float, shared: bool) -> float:
+    """The clip multiple the reducer applies: the run's in a first phase, at least LATER_PHASE_CLIP in a
+    later one (0: no clipping in either)."""
+    if clip_multiple <= 0 or not shared:
+        return clip_multiple
+    return max(clip_multiple, LATER_PHASE_CLIP)
+
+
 def size(members: int) -> int:
     """Bytes of the receipt of a round of ``members`` members."""
     return _HEAD.size + members * _LINE.size + SIGNATURE_BYTES
@@ -186,7 +200,8 @@ def check(
 ) -> Finding | None:
     """What is wrong with ``receipt`` (None: nothing): by its own arithmetic first (``proven``), then against
     what the checking member holds (``mine``). ``weights``: each member's weight as the tracker assigned it
-    (1.0 each in a round of parameters); ``owner``: the owner's index among the members."""
+    (1.0 each in a round of parameters); ``owner``: the owner's index among the members; ``clip_multiple``:
+    the run's (:func:`clip_for_phase` applies)."""
     if receipt.part != part or receipt.shared != shared or len(receipt.lines) != len(weights):
         return Finding(True, f"the receipt is for another part or round shape (part {receipt.part})")
     a2 = receipt.answer_norm2
@@ -195,7 +210,7 @@ def check(
     why = _lines_wrong(receipt.lines, weights, shared)
     if why is not None:
         return Finding(True, why)
-    f = factors(receipt, owner, clip_multiple)
+    f = factors(receipt, owner, clip_for_phase(clip_multiple, shared))
     if not any(f):
         return Finding(True, "the receipt counts no copy with a weight, yet the part was answered")
     why = _sums_wrong(receipt, f, tolerance(codec))

@@ -118,6 +118,9 @@ async def published_run(
                 "round_timeout_s": 20.0,
                 "step_timeout_s": 30.0,
                 "average_state_every": 0,
+                # (these runs are compared with single-process replays of the plain mean, which clip nothing;
+                # the tests of clipping set it)
+                "clip_multiple": 0.0,
                 **(averaging or {}),
             },
             **({"eval": eval} if eval is not None else {}),

@@ -43,7 +43,7 @@ async def main() -> None:
             peer_id=setup["peer_id"],
             key=key,
             credential=credential,
-            config=AveragingConfig(assignment_wait_s=30.0),
+            config=AveragingConfig(clip_multiple=0.0, assignment_wait_s=30.0),
             referee=tracker_referee(tracker, setup["run_id"], setup["peer_id"], key, credential),
         )
         app = web.Application()

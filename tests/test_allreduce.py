@@ -255,7 +255,7 @@ async def test_parts_of_unequal_sizes_give_the_exact_mean_and_each_peer_measures
 
 
 async def test_an_assignment_whose_part_weights_do_not_match_its_parts_is_refused():
-    config = AveragingConfig(codec=Codec.NONE)
+    config = AveragingConfig(clip_multiple=0.0, codec=Codec.NONE)
     peers = await start_peers(2, config)
     try:
         a = assign(peers, [1, 1], part_weights=[1, 2, 3])
@@ -268,7 +268,7 @@ async def test_an_assignment_whose_part_weights_do_not_match_its_parts_is_refuse
 
 
 async def test_client_mode_member_sends_and_receives_the_mean_and_the_event_says_so():
-    config = AveragingConfig(subframe_elements=1000)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=1000)
     peers = await start_peers(2, config)
     client = await start_peer("nat", config, serve=False)
     members = [*peers, client]
@@ -293,7 +293,7 @@ async def test_client_mode_member_sends_and_receives_the_mean_and_the_event_says
 
 
 async def test_two_rounds_on_one_assignment_with_tags():
-    config = AveragingConfig()
+    config = AveragingConfig(clip_multiple=0.0)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(2)
@@ -369,7 +369,7 @@ async def test_dense_parts_travel_stored_with_a_length_and_sparse_ones_compresse
 
 
 async def test_a_result_buffer_that_does_not_fit_is_refused_with_a_sentence():
-    peers = await start_peers(2, AveragingConfig(), prefix="out-")
+    peers = await start_peers(2, AveragingConfig(clip_multiple=0.0), prefix="out-")
     try:
         v = np.ones(10, np.float32)
         with pytest.raises(
@@ -388,7 +388,7 @@ async def test_averaging_in_place_gives_bit_for_bit_what_averaging_into_another_
     # In place, each peer's vector is overwritten with the mean while the round runs: a part owner reduces
     # its part slice by slice (several sub-frames here) over its own copy, which is one of the terms and not
     # always the first. The engine averages every step's gradient this way (no buffer of the model's size).
-    config = AveragingConfig(codec=codec, subframe_elements=1000)
+    config = AveragingConfig(clip_multiple=0.0, codec=codec, subframe_elements=1000)
     peers = await start_peers(4, config, prefix=f"inplace-{codec.label}-")
     try:
         rng = np.random.default_rng(5)
@@ -418,7 +418,7 @@ async def test_averaging_in_place_gives_bit_for_bit_what_averaging_into_another_
     ("codec", "tolerance"), [(Codec.FP16, 2e-3), (Codec.BF16, 1.6e-2), (Codec.INT8, 3e-2)]
 )
 async def test_lossy_codecs_stay_within_tolerance_and_the_group_agrees(codec, tolerance):
-    config = AveragingConfig(codec=codec, subframe_elements=5000)
+    config = AveragingConfig(clip_multiple=0.0, codec=codec, subframe_elements=5000)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(3)
@@ -437,7 +437,7 @@ async def test_lossy_codecs_stay_within_tolerance_and_the_group_agrees(codec, to
 
 
 async def test_int8_error_feedback_makes_the_running_sum_converge():
-    config = AveragingConfig(codec=Codec.INT8)
+    config = AveragingConfig(clip_multiple=0.0, codec=Codec.INT8)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(4)
@@ -500,7 +500,7 @@ def test_averaging_does_not_import_torch_or_rich():
 
 
 async def test_declared_weights_below_the_assignment_are_used_and_early_requests_wait_for_the_owner():
-    config = AveragingConfig()
+    config = AveragingConfig(clip_multiple=0.0)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(12)

@@ -66,7 +66,7 @@ async def post_part(
 @pytest.fixture
 async def trio():
     """A (owns the only part), H (client mode, honest) and M (client mode, misbehaving)."""
-    config = AveragingConfig(subframe_elements=1000)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=1000)
     a = await start_peer("a", config)
     h = await start_peer("h", config, serve=False)
     m = await start_peer("m", config, serve=False)
@@ -129,7 +129,7 @@ async def test_lossy_copy_cut_into_other_frames_than_the_runs_is_refused_and_the
     """With a lossy codec the owner keeps each copy as the codec's payload, frame by frame at the places the
     run's ``subframe_elements`` gives (see ``KeptPart``): a copy cut otherwise is refused before its body is
     read, with a sentence, and the others' mean is still exact to the codec."""
-    config = AveragingConfig(subframe_elements=1000, codec=Codec.INT8)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=1000, codec=Codec.INT8)
     a = await start_peer("a", config)
     h = await start_peer("h", config, serve=False)
     m = await start_peer("m", config, serve=False)
@@ -295,7 +295,7 @@ async def test_colluding_members_cannot_move_the_owners_mean_more_than_the_docum
 
 
 async def test_late_sender_is_dropped_without_blocking_and_refused_afterwards():
-    config = AveragingConfig(subframe_elements=500)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=500)
     a, b = await start_peers(2, config)
     late = await start_peer("late", config, serve=False)
     try:
@@ -338,7 +338,7 @@ async def test_a_member_of_weight_0_asleep_holds_no_part_up_and_one_that_asks_af
     """Issue 47: a member with weight 0 (catching up) only wants the mean. Asleep, it used to hold every part
     until the deadline; now the parts close once the members with a weight are in, and a weight-0 member that
     asks after a part closed, while the round lasts, still gets that part's mean."""
-    config = AveragingConfig(subframe_elements=500)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=500)
     a, b = await start_peers(2, config)
     sleeper = await start_peer("sleeper", config, serve=False)
     try:
@@ -386,7 +386,7 @@ async def test_a_copy_for_a_part_its_owner_gave_up_is_told_the_part_failed_not_t
     """Issue 47 (the churn soak): an owner leaving gives its round up; a copy that came after was told 410
     ("too late"), so its sender dropped the step that the rest of its group kept (each zeroed the part). It is
     told 503 now: the part failed for every member alike, and the sender zeroes it too."""
-    config = AveragingConfig(subframe_elements=500)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=500)
     a, b = await start_peers(2, config)
     try:
         rng = np.random.default_rng(11)
@@ -409,7 +409,7 @@ async def test_a_copy_for_a_part_its_owner_gave_up_is_told_the_part_failed_not_t
 
 @pytest.mark.parametrize("how", ["server_stopped", "never_called"])
 async def test_dead_part_owner_makes_senders_keep_local_values(how):
-    config = AveragingConfig(assignment_wait_s=0.5, connect_timeout_s=1.0)
+    config = AveragingConfig(clip_multiple=0.0, assignment_wait_s=0.5, connect_timeout_s=1.0)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(10)
@@ -443,7 +443,7 @@ async def test_a_member_that_sends_after_the_parts_closed_learns_its_values_are_
     that lost it does). Waking (its own signed copy of the assignment gives it a later deadline here, so its
     call starts), p2's copies are refused with 410: its result says it came late, and the engine catches up
     instead of applying values that are not the group's."""
-    config = AveragingConfig(assignment_wait_s=60.0, grace_s=0.5)
+    config = AveragingConfig(clip_multiple=0.0, assignment_wait_s=60.0, grace_s=0.5)
     peers = await start_peers(3, config)
     try:
         rng = np.random.default_rng(27)
@@ -464,7 +464,7 @@ async def test_a_member_that_sends_after_the_parts_closed_learns_its_values_are_
 
 
 async def test_invalid_assignment_fails_the_round_with_a_sentence():
-    config = AveragingConfig()
+    config = AveragingConfig(clip_multiple=0.0)
     (p,) = await start_peers(1, config)
     try:
         good = assign([p], [1])

@@ -36,7 +36,7 @@ def test_the_log_keeps_the_last_steps_and_none_of_a_model_beyond_its_byte_budget
 
 
 async def test_an_average_is_taken_only_where_two_peers_sent_the_same_bytes():
-    peers = await start_peers(3, AveragingConfig(), prefix="d")
+    peers = await start_peers(3, AveragingConfig(clip_multiple=0.0), prefix="d")
     key = SigningKey()
     credential = issue_credential(TRACKER, RUN, "late", key.public_hex, 3600)
     try:

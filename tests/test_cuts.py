@@ -142,7 +142,7 @@ class _Member:
 
 
 async def _members(tracker, client: TrackerClient, run_id: str, n: int) -> list[_Member]:
-    config = AveragingConfig(assignment_wait_s=30.0)
+    config = AveragingConfig(clip_multiple=0.0, assignment_wait_s=30.0)
     out = []
     for _ in range(n):
         sim = SimVolunteer(client, run_id)

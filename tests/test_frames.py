@@ -48,7 +48,7 @@ def test_frame_round_trips_shape_and_values(codec, data):
     if not x.size:  # a frame of no values is not a sub-frame: the reader takes one dimension of 1 or more
         return
     flat = encode_frame(x.reshape(-1), codec)
-    config = AveragingConfig(codec=codec, subframe_elements=x.size)
+    config = AveragingConfig(clip_multiple=0.0, codec=codec, subframe_elements=x.size)
     expected = decoded(x, codec)
     y, norm2, nbytes = read_frames(flat, config, x.size, cuts=data.draw(st.lists(st.integers(0), max_size=3)))
     assert np.array_equal(y, expected) and nbytes == len(flat)
@@ -67,7 +67,7 @@ def test_frame_round_trips_shape_and_values(codec, data):
     cuts=st.lists(st.integers(0), max_size=6),
 )
 def test_a_part_cut_into_sub_frames_reads_back_whole(codec, x, step, cuts):
-    config = AveragingConfig(codec=codec, subframe_elements=step)
+    config = AveragingConfig(clip_multiple=0.0, codec=codec, subframe_elements=step)
     body = encode_part(x, config)
     step = config.frame_elements  # (whole blocks of a lossy codec)
     expected = np.concatenate([decoded(x[a:b], codec) for a, b in subframe_bounds(0, x.size, step)])
@@ -79,12 +79,12 @@ def test_a_part_cut_into_sub_frames_reads_back_whole(codec, x, step, cuts):
 
 
 def test_an_empty_part_is_an_empty_body():
-    y, norm2, nbytes = read_frames(b"", AveragingConfig(), 0)
+    y, norm2, nbytes = read_frames(b"", AveragingConfig(clip_multiple=0.0), 0)
     assert y.size == 0 and norm2 == 0.0 and nbytes == 0
 
 
 def test_frames_beyond_the_values_of_the_part_are_refused():
-    config = AveragingConfig(subframe_elements=4)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=4)
     body = encode_part(np.ones(8, np.float32), config)
     with pytest.raises(ProtocolError, match="sub-frames carry more than the 6 values this part holds"):
         read_frames(body, config, 6)
@@ -93,14 +93,14 @@ def test_frames_beyond_the_values_of_the_part_are_refused():
 
 
 def test_a_truncated_last_frame_is_an_incomplete_read():
-    config = AveragingConfig(subframe_elements=100)
+    config = AveragingConfig(clip_multiple=0.0, subframe_elements=100)
     body = encode_part(np.ones(200, np.float32), config)
     with pytest.raises(asyncio.IncompleteReadError):
         read_frames(body[:-1], config, 200)
 
 
 def test_raw_frame_from_error_feedback_decodes_to_what_the_sender_believes_it_sent():
-    config = AveragingConfig(codec=Codec.INT8, subframe_elements=5000)
+    config = AveragingConfig(clip_multiple=0.0, codec=Codec.INT8, subframe_elements=5000)
     x = np.linspace(-1, 1, 5000, dtype=np.float32)
     header, body, sent = Coder(config).encode_sent(x, Residual.zeros(x.size))
     assert parse_header(header).shape == (5000,)
@@ -118,7 +118,7 @@ def _with(frame: bytes, changes: dict[int, object]) -> bytes:
     return struct.pack("<4sBBBB8QQQQ", *fields) + frame[HEADER_SIZE:]
 
 
-FP16 = AveragingConfig(codec=Codec.FP16, subframe_elements=12)
+FP16 = AveragingConfig(clip_multiple=0.0, codec=Codec.FP16, subframe_elements=12)
 
 
 @pytest.fixture
@@ -171,16 +171,16 @@ def test_body_with_a_valid_checksum_but_wrong_content_is_refused(frame):
 
 def test_limits_are_configurable():
     frame = encode_frame(np.zeros(100, np.float32), Codec.NONE)
-    few = AveragingConfig(subframe_elements=99, limits=Limits(max_elements=99))
+    few = AveragingConfig(clip_multiple=0.0, subframe_elements=99, limits=Limits(max_elements=99))
     with pytest.raises(LimitExceeded, match="more than the limit of 99 elements"):
         read_frames(frame, few, 100)
-    flat = AveragingConfig(subframe_elements=4, limits=Limits(max_ndim=1))
+    flat = AveragingConfig(clip_multiple=0.0, subframe_elements=4, limits=Limits(max_ndim=1))
     with pytest.raises(ProtocolError, match="frame has 2 dimensions; 1 to 1 are allowed"):
         read_frames(encode_frame(np.zeros((2, 2), np.float32), Codec.NONE), flat, 4)
 
 
 def test_magic_and_checksum_layout():
-    frame = encode_part(np.ones(3, np.float32), AveragingConfig())
+    frame = encode_part(np.ones(3, np.float32), AveragingConfig(clip_multiple=0.0))
     assert frame[:4] == MAGIC
     # XXH3-64 with seed 0: its published value for the empty input is 0x2D06800538D394C2
     assert xxhash.xxh3_64_intdigest(b"") == 0x2D06800538D394C2
@@ -202,7 +202,7 @@ def test_error_feedback_through_a_bfloat16_residual_keeps_the_running_sum_within
     # What an averaging peer does each round with its int8 codec: the quantisation error of each encode is
     # carried into the next, so the sum of what was sent tracks the sum of the inputs. Without the feedback
     # the error would grow by up to half a step every round (a hundred rounds here).
-    coder = Coder(AveragingConfig(codec=Codec.INT8))
+    coder = Coder(AveragingConfig(clip_multiple=0.0, codec=Codec.INT8))
     x = (np.random.default_rng(3).standard_normal(20_000) * 1e-3).astype(np.float32)
     residual = Residual.zeros(x.size)
     sent_sum = np.zeros(x.size, dtype=np.float64)

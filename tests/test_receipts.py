@@ -97,7 +97,7 @@ ATTACKS = {  # attack -> (the hostile's weight, proven by the receipt alone)
 @pytest.mark.parametrize("attack", list(ATTACKS))
 async def test_an_honest_member_applies_no_answer_its_owner_cannot_account_for(attack):
     weight, proven = ATTACKS[attack]
-    peers = await start_peers(4, AveragingConfig(), prefix="rc-")
+    peers = await start_peers(4, AveragingConfig(clip_multiple=0.0), prefix="rc-")
     complaints: list[tuple[str, str]] = []
 
     async def complainer(a, tag, owner, receipt, why):
@@ -136,7 +136,7 @@ async def test_an_honest_member_applies_no_answer_its_owner_cannot_account_for(a
 async def test_honest_owners_receipts_hold_for_every_codec_and_phase(codec, phase):
     """Each member checks each answer's receipt: an honest round loses no part to them (with error feedback
     carried over three rounds, as a run does)."""
-    config = AveragingConfig(codec=codec)
+    config = AveragingConfig(clip_multiple=0.0, codec=codec)
     peers = await start_peers(4, config, prefix=f"ok-{codec.label}-{phase}-")
     try:
         rng = np.random.default_rng(5)

@@ -324,7 +324,7 @@ async def test_a_hostile_part_owner_answer_is_refused_finite_or_not(answer):
     (the engine then zeroes it, as every member does), and the other parts are the exact mean.
 
     The hostile owner has weight 0, so it sends no copies and its coder only ever encodes its answers."""
-    peers = await start_peers(3, AveragingConfig(), prefix=f"own-{answer}-")
+    peers = await start_peers(3, AveragingConfig(clip_multiple=0.0), prefix=f"own-{answer}-")
     try:
         coder = peers[0].averager._coder
         encode_raw = coder.encode_raw

@@ -299,13 +299,14 @@ class Volunteers:
                 owner.public_key, f"round {a.round_id} part {owner.part}: {finding.why}"
             )
             outcome = "barred" if barred else "already barred"
-            log.warning(
-                "run %s: %s (%s) barred on its own receipt: %s",
-                run.run_id,
-                msg.owner,
-                owner.public_key[:12],
-                finding.why,
-            )
+            if barred:
+                log.warning(
+                    "run %s: %s (%s) barred on its own receipt: %s",
+                    run.run_id,
+                    msg.owner,
+                    owner.public_key[:12],
+                    finding.why,
+                )
         else:
             barred = run.checks.accuse(owner.public_key, accuser, run.run_id) is not None
             outcome = "barred" if barred else "accused"

@@ -29,7 +29,7 @@ class AveragingConfig:
     # lossy codecs are chosen to save bandwidth and always use zstd (when it shrinks the payload at all).
     # 0: compress whenever zstd shrinks the payload. The receiver needs no setting.
     zstd_min_gain: float = 0.1
-    clip_multiple: float = 5.0  # 0 disables clipping
+    clip_multiple: float = 1.0  # 0 disables clipping
     subframe_elements: int = 1 << 20
     limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
     connect_timeout_s: float = 5.0

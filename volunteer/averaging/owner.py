@@ -160,7 +160,7 @@ class Owner:
             rnd.my_part,
             stop - start,
             tuple(rnd.members),
-            self.config.clip_multiple,
+            receipts.clip_for_phase(self.config.clip_multiple, rnd.shared),
             owner=self.peer_id,
             done=asyncio.Event(),
             shared=needed if rnd.shared else None,
