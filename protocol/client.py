@@ -39,6 +39,8 @@ from crowdtrain.protocol.messages import (
     Message,
     ReadyReply,
     ReadyRequest,
+    RoundVerdict,
+    RoundVerdicts,
     RunCreate,
     RunCreated,
     RunList,
@@ -321,6 +323,12 @@ class TrackerClient:
         return self._decode(
             await self._signed(run_id, "complaint", complaint, key, credential), ComplaintReply
         )
+
+    async def verdicts(
+        self, run_id: str, verdict: RoundVerdict, key: SigningKey, credential: Credential
+    ) -> RoundVerdicts:
+        """Report the parts of a round this peer could not apply; every member's, once they reported."""
+        return self._decode(await self._signed(run_id, "verdicts", verdict, key, credential), RoundVerdicts)
 
     async def spot_check(
         self, run_id: str, verdict: SpotCheckVerdict, key: SigningKey, credential: Credential

@@ -550,6 +550,23 @@ class ComplaintReply(Message, frozen=True, kw_only=True):
     proven: bool  # the receipt alone showed it
 
 
+class RoundVerdict(Message, frozen=True, kw_only=True):
+    """``POST /api/v1/runs/{id}/verdicts``: the parts of a round this member could not apply (an answer that
+    failed its receipt, or never came); answered with every member's (tracker/verdicts.py)."""
+
+    version: Version = VERSION
+    peer_id: PeerId
+    assignment: GroupAssignment  # the round, as the tracker signed it
+    tag: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]
+    failed: Annotated[list[Annotated[int, Meta(ge=0, le=255)]], Meta(max_length=256)]
+
+
+class RoundVerdicts(Message, frozen=True, kw_only=True):
+    version: Version = VERSION
+    failed: list[int]  # the union of the members' failed parts
+    reported: int  # members that had reported when it was given
+
+
 # ---------------------------------------------------------------- state directory
 
 

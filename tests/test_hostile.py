@@ -40,11 +40,11 @@ async def test_one_hostile_volunteer_in_four_steers_nothing(tmp_path_factory, mo
     assert got["honest_steps"] == base["honest_steps"], story
     assert got["honest_loss"] <= 1.10 * base["honest_loss"], story
     assert not got["accused_honest"], story
+    # whoever saw through a forged answer, no honest volunteer applied it (tracker/verdicts.py)
+    assert got["honest_identical"], story
     if "owner" in role:
         assert got["refused_answers"] >= 1 and got["hostile_barred"], story
         if role != "owner crafted":  # (a receipt that holds by itself is no proof: accusations bar it)
             assert got["refused_proven"] == got["refused_answers"], story
-            assert got["honest_identical"], story
     else:  # its copies are clipped to the median copy's norm; spot-checks (every-step only) bar it
-        assert got["honest_identical"], story
         assert got["hostile_barred"] == (mode == "every-step"), story

@@ -39,6 +39,7 @@ from crowdtrain.protocol.messages import (
     JoinRequest,
     LeaveRequest,
     ReadyRequest,
+    RoundVerdict,
     SpotCheckVerdict,
     StateDeclare,
     StateVersion,
@@ -118,7 +119,7 @@ async def world(tmp_path):
             peer_id=a.peer_id,
             key=a.key,
             credential=a.credential,
-            config=AveragingConfig(assignment_wait_s=0.5),
+            config=AveragingConfig(clip_multiple=0.0, assignment_wait_s=0.5),
         )
         state = StateServer(run_id=public, tracker_public_key=tracker.public_key, config=StateConfig())
         snap = make_snapshot(
@@ -408,6 +409,12 @@ TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
         lambda w, m: CutCall(
             peer_id=m.peer_id, assignment=cut_round(w, m), tag="grad", owner=w.members["a"].peer_id
         ),
+        world_body=True,
+    ),
+    # (the valid verdict waits for the round's other member, at most tracker/verdicts.py's WAIT_S)
+    ("POST", "/api/v1/runs/{run_id}/verdicts"): signed_route(
+        "verdicts",
+        lambda w, m: RoundVerdict(peer_id=m.peer_id, assignment=cut_round(w, m), tag="grad", failed=[]),
         world_body=True,
     ),
     # (the valid complaint is an accusation: the receipt "a" signed holds by its own arithmetic)

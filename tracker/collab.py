@@ -89,6 +89,7 @@ from crowdtrain.tracker.reach import Reach
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.spotchecks import SpotChecks
 from crowdtrain.tracker.store import RunStore
+from crowdtrain.tracker.verdicts import Verdicts
 
 log = logging.getLogger("crowdtrain.tracker")
 # a peer at the open step that owes samples and said nothing for TrackerConfig.straggler_intervals heartbeat
@@ -178,6 +179,7 @@ class RunState:
         self.rounds = Rounds()
         self.cuts = Cuts(lambda owner, step: cut_asleep(self, owner, step))  # (tracker/cuts.py)
         self.checks = SpotChecks(spec, store)
+        self.verdicts = Verdicts()  # (tracker/verdicts.py)
         self.state_donors = Donors(self.run_id, self.rounds)
         self.peers: dict[str, Peer] = {}
         self.opened_at = time.time()

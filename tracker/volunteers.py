@@ -30,6 +30,8 @@ from crowdtrain.protocol.messages import (
     JoinResponse,
     LeaveRequest,
     ReadyRequest,
+    RoundVerdict,
+    RoundVerdicts,
     SpotCheckVerdict,
     StateDeclare,
     decode,
@@ -323,6 +325,30 @@ class Volunteers:
                 run.remove(peer.peer_id)
             run.maybe_form(time.time())
         return json_reply(ComplaintReply(outcome=outcome, proven=finding is not None and finding.proven))
+
+    async def verdicts(self, request: web.Request) -> web.Response:
+        """A member's failed parts of a round; answered with every member's (tracker/verdicts.py)."""
+        run, msg, public_key = await self._signed(request, RoundVerdict)
+        a = msg.assignment
+        try:
+            verify_assignment(a, self.tracker.signer.public_hex)
+        except AuthError:
+            raise ApiError(403, "the assignment is not one this tracker signed") from None
+        if a.run_id != run.run_id:
+            raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
+        caller = next((m for m in a.members if m.peer_id == msg.peer_id), None)
+        if caller is None or caller.public_key != public_key:
+            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
+        kind = msg.tag.split("-p")[0]
+        if kind not in ("grad", "params") or msg.tag != round_tag(kind, a.phase):
+            raise ApiError(400, f"round {a.round_id} of phase {a.phase} runs under no tag {msg.tag}")
+        if any(p >= a.parts for p in msg.failed):
+            raise ApiError(400, f"round {a.round_id} has {a.parts} parts")
+        members = frozenset(m.peer_id for m in a.members)
+        failed, reported = await run.verdicts.report(
+            f"{a.round_id}/{msg.tag}", members, msg.peer_id, msg.failed
+        )
+        return json_reply(RoundVerdicts(failed=failed, reported=reported))
 
     async def donors(self, request: web.Request) -> web.Response:
         """The state donors; ``?without=PEER``: that peer's snapshots are not counted (a peer catching up

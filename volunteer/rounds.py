@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from crowdtrain.protocol.errors import AveragingError
-from crowdtrain.protocol.messages import GroupAssignment, SpotCheck, round_tag
+from crowdtrain.protocol.errors import AveragingError, CrowdtrainError
+from crowdtrain.protocol.messages import GroupAssignment, RoundVerdict, SpotCheck, round_tag
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
@@ -241,6 +241,8 @@ class Rounds:
             # a tag per phase: a lossy codec's error feedback stays within what each phase sends
             phase_tag = round_tag(tag, a.phase)
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
+            # every member applies the same parts: those any member could not apply, none does
+            lost = await self._agreed_failures(a, phase_tag, result.failed_parts)
             if result.late:
                 # (the others averaged without my copy of those parts, or zeroed the part I own because the
                 # group cut me: what I would apply is not what they apply)
@@ -248,20 +250,49 @@ class Rounds:
                     f"this peer was left out of phase {a.phase + 1} of {a.phases} (it was asleep or too slow: "
                     "its copies came after their owners closed, or the group cut it)"
                 )
-            if result.failed_parts and a.phase > 0:
+            if lost and a.phase > 0:
                 # (the other columns of this phase reduced those parts: zeroing them here would leave this
                 # column with another mean than theirs)
                 raise AveragingError(
-                    f"parts {list(result.failed_parts)} of phase {a.phase + 1} of {a.phases} failed: this "
-                    "column's mean is not the other columns'"
+                    f"parts {lost} of phase {a.phase + 1} of {a.phases} failed: this column's mean is not "
+                    "the other columns'"
                 )
-            if result.failed_parts:
+            if lost:
                 bounds = run.averager.bounds(a, result.values.size)
-                for part in result.failed_parts:
+                for part in lost:
                     result.values[bounds[part][0] : bounds[part][1]] = 0.0
-                failed.append(f"phase {a.phase + 1} of {a.phases}, parts {list(result.failed_parts)}")
+                failed.append(f"phase {a.phase + 1} of {a.phases}, parts {lost}")
             values = result.values
         return values, failed
+
+    async def _agreed_failures(self, a: GroupAssignment, tag: str, mine: tuple[int, ...]) -> list[int]:
+        """The parts of round ``a`` that some member could not apply (tracker/verdicts.py): mine, reported,
+        and every other member's. Alone in its group, or when the tracker does not answer, a peer goes by
+        its own."""
+        run = self.run
+        if len(a.members) < 2:
+            return list(mine)
+        verdict = RoundVerdict(peer_id=run.peer_id, assignment=a, tag=tag, failed=list(mine))
+        try:
+            reply = await run.tracker.verdicts(run.config.run_id, verdict, run.key, run.credential)
+        except (CrowdtrainError, OSError) as exc:
+            run.note(
+                logging.INFO,
+                "round %s/%s: no verdicts from the tracker (%s); going by this peer's own",
+                a.round_id,
+                tag,
+                exc,
+            )
+            return list(mine)
+        others = sorted(set(reply.failed) - set(mine))
+        if others:
+            run.note(
+                logging.WARNING,
+                "round %s: parts %s did not reach every member (or failed their receipts there): none applies them",
+                a.round_id,
+                others,
+            )
+        return sorted(set(reply.failed) | set(mine))
 
     async def average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
         """Average parameters over the step's peers, in the same phases and with the same weights as the
