@@ -25,6 +25,7 @@ from crowdtrain.protocol.messages import (
     ComplaintReply,
     CutCall,
     CutVerdict,
+    GroupAssignment,
     Heartbeat,
     JoinRequest,
     JoinResponse,
@@ -249,33 +250,36 @@ class Volunteers:
             raise ApiError(503, str(exc)) from None
         return json_reply(CutVerdict(decision=decision))
 
-    async def complaint(self, request: web.Request) -> web.Response:
-        """A member's complaint about a part owner's receipt (protocol/receipts.py): a receipt that breaks its
-        own arithmetic bars the owner's key at once; any other counts one accusation from the caller's
-        address (as a failed spot-check does). Answers 200 with what the tracker concluded."""
-        run, msg, public_key = await self._signed(request, Complaint)
-        a = msg.assignment
+    def _member_round(
+        self, run: RunState, a: GroupAssignment, peer_id: str, public_key: str, tag: str
+    ) -> None:
+        """Refuse (with a sentence) a call about round ``a`` that is not from one of its members, as this
+        tracker signed it, under one of its phase's tags."""
         try:
             verify_assignment(a, self.tracker.signer.public_hex)
         except AuthError:
             raise ApiError(403, "the assignment is not one this tracker signed") from None
         if a.run_id != run.run_id:
             raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
-        members = [m.peer_id for m in a.members]
-        caller = next((m for m in a.members if m.peer_id == msg.peer_id), None)
-        owner = next((m for m in a.members if m.peer_id == msg.owner), None)
+        caller = next((m for m in a.members if m.peer_id == peer_id), None)
         if caller is None or caller.public_key != public_key:
-            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
+            raise ApiError(403, f"peer {peer_id} is not a member of round {a.round_id}")
+        tags = (round_tag("grad", a.phase), round_tag("params", a.phase))
+        if tag not in tags:
+            raise ApiError(400, f"round {a.round_id} runs under {tags[0]} and {tags[1]}, not {tag}")
+
+    async def complaint(self, request: web.Request) -> web.Response:
+        """A member's complaint about a part owner's receipt (protocol/receipts.py): a receipt that breaks its
+        own arithmetic bars the owner's key at once; any other counts one accusation from the caller's
+        address (as a failed spot-check does). Answers with what the tracker concluded."""
+        run, msg, public_key = await self._signed(request, Complaint)
+        a = msg.assignment
+        self._member_round(run, a, msg.peer_id, public_key, msg.tag)
+        members = [m.peer_id for m in a.members]
+        owner = next((m for m in a.members if m.peer_id == msg.owner), None)
         if owner is None or owner.part < 0 or owner.peer_id == msg.peer_id:
             raise ApiError(
                 400, f"peer {msg.owner} owns no part of round {a.round_id} that {msg.peer_id} sent to"
-            )
-        kind = msg.tag.split("-p")[0]
-        if kind not in ("grad", "params") or msg.tag != round_tag(kind, a.phase):
-            raise ApiError(
-                400,
-                f"round {a.round_id} runs under {round_tag('grad', a.phase)} and "
-                f"{round_tag('params', a.phase)}, not {msg.tag}",
             )
         try:
             receipt = receipts.Receipt.parse(bytes.fromhex(msg.receipt), len(members))
@@ -283,65 +287,45 @@ class Volunteers:
         except (ValueError, ProtocolError, AuthError) as exc:
             raise ApiError(422, f"the receipt is not {msg.owner}'s for round {a.round_id}: {exc}") from None
         uniform = all(m.weight == 0 for m in a.members)
-        avg = run.spec.averaging
         finding = receipts.check(
             receipt,
             part=owner.part,
             owner=members.index(owner.peer_id),
             weights=[1.0 if uniform else float(m.weight) for m in a.members],
-            clip_multiple=avg.clip_multiple,
-            codec=Codec.parse(avg.codec),
+            clip_multiple=run.spec.averaging.clip_multiple,
+            codec=Codec.parse(run.spec.averaging.codec),
             shared=a.phase > 0,
         )
-        where = origin_of(request.remote)
-        accuser = where.address if where is not None else f"key {public_key}"
-        outcome: Literal["barred", "already barred", "accused"]
+        proven = finding is not None and finding.proven
         if finding is not None and finding.proven:
-            barred = run.checks.bar_on_proof(
-                owner.public_key, f"round {a.round_id} part {owner.part}: {finding.why}"
-            )
-            outcome = "barred" if barred else "already barred"
-            if barred:
-                log.warning(
-                    "run %s: %s (%s) barred on its own receipt: %s",
-                    run.run_id,
-                    msg.owner,
-                    owner.public_key[:12],
-                    finding.why,
-                )
+            why = f"round {a.round_id} part {owner.part}: {finding.why}"
+            barred = run.checks.bar_on_proof(owner.public_key, why)
+            outcome: Literal["barred", "already barred", "accused"] = "barred" if barred else "already barred"
         else:
+            where = origin_of(request.remote)
+            accuser = where.address if where is not None else f"key {public_key}"
             barred = run.checks.accuse(owner.public_key, accuser, run.run_id) is not None
             outcome = "barred" if barred else "accused"
-            log.warning(
-                "run %s: %s accuses part owner %s of round %s: %s",
-                run.run_id,
-                msg.peer_id,
-                msg.owner,
-                a.round_id,
-                msg.why,
-            )
+        log.warning(
+            "run %s: %s complains of part owner %s in round %s (%s): %s",
+            run.run_id,
+            msg.peer_id,
+            msg.owner,
+            a.round_id,
+            "proven: barred" if proven and barred else outcome,
+            msg.why,
+        )
         if barred:
             for peer in [p for p in run.peers.values() if p.public_key == owner.public_key]:
                 run.remove(peer.peer_id)
             run.maybe_form(time.time())
-        return json_reply(ComplaintReply(outcome=outcome, proven=finding is not None and finding.proven))
+        return json_reply(ComplaintReply(outcome=outcome, proven=proven))
 
     async def verdicts(self, request: web.Request) -> web.Response:
         """A member's failed parts of a round; answered with every member's (tracker/verdicts.py)."""
         run, msg, public_key = await self._signed(request, RoundVerdict)
         a = msg.assignment
-        try:
-            verify_assignment(a, self.tracker.signer.public_hex)
-        except AuthError:
-            raise ApiError(403, "the assignment is not one this tracker signed") from None
-        if a.run_id != run.run_id:
-            raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
-        caller = next((m for m in a.members if m.peer_id == msg.peer_id), None)
-        if caller is None or caller.public_key != public_key:
-            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
-        kind = msg.tag.split("-p")[0]
-        if kind not in ("grad", "params") or msg.tag != round_tag(kind, a.phase):
-            raise ApiError(400, f"round {a.round_id} of phase {a.phase} runs under no tag {msg.tag}")
+        self._member_round(run, a, msg.peer_id, public_key, msg.tag)
         if any(p >= a.parts for p in msg.failed):
             raise ApiError(400, f"round {a.round_id} has {a.parts} parts")
         members = frozenset(m.peer_id for m in a.members)

@@ -80,6 +80,42 @@ class _Refused(Exception):
         super().__init__(text)
 
 
+def _parse(
+    request: web.Request, tracker_public_key: str, run_id: str
+) -> tuple[str, int, Credential, float, int]:
+    """The request's round key, part, sender, declared weight and length, the sender authenticated
+    first: strangers learn nothing about the round."""
+    info = request.match_info
+    round_id, tag, part_s = info["round_id"], info["tag"], info["part"]
+    if not NAME.fullmatch(round_id) or not NAME.fullmatch(tag) or not part_s.isdigit() or len(part_s) > 6:
+        raise _Refused(400, "the path must be /v1/allreduce/<round id>/<tag>/<part number>")
+    key, part = f"{round_id}/{tag}", int(part_s)
+    weight_s = request.headers.get(HEADER_WEIGHT, "")[:64]
+    elements_s = request.headers.get(HEADER_ELEMENTS, "")[:64]
+    try:
+        cred = peerauth.check_headers(
+            request.headers,
+            tracker_public_key,
+            run_id,
+            PURPOSE,
+            key,
+            part,
+            weight_s,
+            elements_s,
+        )
+    except AuthError as exc:
+        raise _Refused(401, f"{exc}") from None
+    try:
+        declared = float(weight_s)
+    except ValueError:
+        declared = math.nan
+    if not (math.isfinite(declared) and declared >= 0):
+        raise _Refused(400, f"header {HEADER_WEIGHT} must be a finite number of samples ≥ 0")
+    if not elements_s.isdigit() or len(elements_s) > 12:
+        raise _Refused(400, f"header {HEADER_ELEMENTS} must be the number of values sent")
+    return key, part, cred, declared, int(elements_s)
+
+
 class Owner:
     """The rounds this peer takes part in, and the route that receives, reduces and answers its part of each.
 
@@ -215,9 +251,8 @@ class Owner:
                 red.add_frame(await asyncio.to_thread(self._reduce_encode, rnd, terms, out, a, b))
             if terms:
                 receipt = red.receipt(list(rnd.members), rnd.shared)
-                red.receipt_bytes = (
-                    await asyncio.to_thread(receipt.signed, self.key, self.run_id, rnd.key)
-                ).to_bytes()
+                signed = await asyncio.to_thread(receipt.signed, self.key, self.run_id, rnd.key)
+                red.witness.receipt_bytes = signed.to_bytes()
         finally:
             red.finish(reduce_s=time.perf_counter() - t)
 
@@ -250,7 +285,7 @@ class Owner:
             at = start - kept[0][0]
             res = kept[1][at + a : at + b]
         header, body, sent = self._coder.encode_sent(reduced, res, stored=rnd.answer_stored)
-        red.witness(terms, a, b, sent)
+        red.witness.add(terms, a, b, sent)
         if rnd.in_place or self.config.codec.lossy:
             out[a:b] = sent
         return header, body
@@ -302,7 +337,7 @@ class Owner:
             return web.json_response({"error": r.text}, status=r.status)
 
     async def _receive(self, request: web.Request) -> web.StreamResponse:
-        key, part, cred, declared, elements = self._parse(request)
+        key, part, cred, declared, elements = _parse(request, self.tracker_public_key, self.run_id)
         _refuse_if_over(self.finished, key, part)
         rnd = await self._find_round(key)
         if rnd is None:
@@ -316,39 +351,6 @@ class Owner:
             raise _Refused(404, f"this peer owns part {rnd.my_part} of round {key}, not part {part}")
         await self._collect(request, rnd, red, member, declared, elements)
         return await self._answer(request, rnd, red)
-
-    def _parse(self, request: web.Request) -> tuple[str, int, Credential, float, int]:
-        """The request's round key, part, sender, declared weight and length, the sender authenticated
-        first: strangers learn nothing about the round."""
-        info = request.match_info
-        round_id, tag, part_s = info["round_id"], info["tag"], info["part"]
-        if not NAME.fullmatch(round_id) or not NAME.fullmatch(tag) or not part_s.isdigit() or len(part_s) > 6:
-            raise _Refused(400, "the path must be /v1/allreduce/<round id>/<tag>/<part number>")
-        key, part = f"{round_id}/{tag}", int(part_s)
-        weight_s = request.headers.get(HEADER_WEIGHT, "")[:64]
-        elements_s = request.headers.get(HEADER_ELEMENTS, "")[:64]
-        try:
-            cred = peerauth.check_headers(
-                request.headers,
-                self.tracker_public_key,
-                self.run_id,
-                PURPOSE,
-                key,
-                part,
-                weight_s,
-                elements_s,
-            )
-        except AuthError as exc:
-            raise _Refused(401, f"{exc}") from None
-        try:
-            declared = float(weight_s)
-        except ValueError:
-            declared = math.nan
-        if not (math.isfinite(declared) and declared >= 0):
-            raise _Refused(400, f"header {HEADER_WEIGHT} must be a finite number of samples ≥ 0")
-        if not elements_s.isdigit() or len(elements_s) > 12:
-            raise _Refused(400, f"header {HEADER_ELEMENTS} must be the number of values sent")
-        return key, part, cred, declared, int(elements_s)
 
     async def _collect(
         self,
@@ -420,8 +422,8 @@ class Owner:
                         await response.write(body)
                         rnd.stats.answered_bytes += len(header) + len(body)
                         sent += 1
-                    if red.receipt_bytes is not None:  # (every frame is out: the receipt of them ends it)
-                        await response.write(red.receipt_bytes)
+                    if red.witness.receipt_bytes is not None:  # (every frame is out: their receipt ends it)
+                        await response.write(red.witness.receipt_bytes)
             except TimeoutError:  # the answer stays incomplete: the sender keeps its own values for this part
                 log.warning("round %s: the answer for part %d did not finish in time", key, part)
             await response.write_eof()

@@ -97,15 +97,8 @@ class PartReducer:
     keep: str | None = None
     kept: np.ndarray | KeptPart | None = None
     arrived: asyncio.Event | None = None
-    # the receipt's witness of the answer (protocol/receipts.py), gathered as each slice is reduced and
-    # encoded: per term of the mean its members (and their weights) and norm, ``f · <copy, answer>``; the
-    # answer's squared norm and digest
-    term_members: list[list[tuple[str, float]]] = field(default_factory=list)
-    term_norms: list[float] = field(default_factory=list)
-    term_dots: list[float] = field(default_factory=list)
-    answer_norm2: float = 0.0
-    answer_hash: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
-    receipt_bytes: bytes | None = None  # signed, once the last frame is in
+    # what the answer's receipt states (protocol/receipts.py), gathered as each slice is reduced and encoded
+    witness: Witness = field(default_factory=lambda: Witness())
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
@@ -253,9 +246,9 @@ class PartReducer:
             for c in weighted
             if (values := c.values) is not None  # (all of them: the type checker cannot know)
         ]
-        self.term_members = [groups[c.peer_id] for c in weighted]
-        self.term_norms = [c.norm for c in weighted]
-        self.term_dots = [0.0] * len(terms)
+        self.witness = Witness(
+            [groups[c.peer_id] for c in weighted], [c.norm for c in weighted], [0.0] * len(terms)
+        )
         return terms, tuple(sorted(clipped)), ""
 
     @staticmethod
@@ -274,31 +267,9 @@ class PartReducer:
             return min(own.norm, median)
         return median
 
-    def witness(self, terms: list[Term], a: int, b: int, answer: np.ndarray) -> None:
-        """Add values ``[a, b)`` of the answer, as its receivers decode them, to the receipt's witness: each
-        term's ``f · <copy, answer>``, the answer's squared norm and digest (call in a thread, right after
-        :meth:`reduce_slice` of the same slice, in slice order)."""
-        self.answer_norm2 += float(np.dot(answer, answer))
-        self.answer_hash.update(np.ascontiguousarray(answer).data)
-        for i, (values, factor, owned) in enumerate(terms):
-            if isinstance(values, KeptPart):
-                self.term_dots[i] += float(factor) * float(np.dot(values.values(a, b), answer))
-            elif i > 0 and owned:  # reduce_slice scaled it in place: it is the term itself
-                self.term_dots[i] += float(np.dot(values[a:b], answer))
-            else:
-                self.term_dots[i] += float(factor) * float(np.dot(values[a:b], answer))
-
     def receipt(self, members: list[str], shared: bool) -> Receipt:
-        """The receipt of the answer (unsigned), once every slice was witnessed: a line per member of the
-        round (in ``members``' order), its share of its term's inner product by weight."""
-        index = {peer: i for i, peer in enumerate(members)}
-        lines = [Line(math.nan, 0.0, 0.0, i) for i in range(len(members))]
-        for group, norm, dot in zip(self.term_members, self.term_norms, self.term_dots, strict=True):
-            total = math.fsum(w for _, w in group)
-            first = index[group[0][0]]
-            for peer, w in group:
-                lines[index[peer]] = Line(w, norm, dot * w / total if total > 0 else 0.0, first)
-        return Receipt(self.part, shared, self.answer_norm2, self.answer_hash.digest(), tuple(lines))
+        """The receipt of my answer (unsigned), once every slice was witnessed (:meth:`Witness.receipt`)."""
+        return self.witness.receipt(self.part, members, shared)
 
     @staticmethod
     def reduce_slice(terms: list[Term], a: int, b: int, out: np.ndarray) -> None:
@@ -337,3 +308,43 @@ def _merge_identical(
         else:
             first[d] = c
     return list(first.values())
+
+
+@dataclass(slots=True)
+class Witness:
+    """What an answer's receipt states, gathered slice by slice: per term of the mean its members (with their
+    weights) and norm, and ``f · <copy, answer>``; the answer's squared norm and digest; once the last frame
+    is in, the receipt signed (``receipt_bytes``)."""
+
+    term_members: list[list[tuple[str, float]]] = field(default_factory=list)
+    term_norms: list[float] = field(default_factory=list)
+    term_dots: list[float] = field(default_factory=list)
+    answer_norm2: float = 0.0
+    answer_hash: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
+    receipt_bytes: bytes | None = None
+
+    def add(self, terms: list[Term], a: int, b: int, answer: np.ndarray) -> None:
+        """Add values ``[a, b)`` of the answer, as its receivers decode them: each term's ``f · <copy,
+        answer>``, the answer's squared norm and digest (call in a thread, right after
+        :meth:`PartReducer.reduce_slice` of the same slice, in slice order)."""
+        self.answer_norm2 += float(np.dot(answer, answer))
+        self.answer_hash.update(np.ascontiguousarray(answer).data)
+        for i, (values, factor, owned) in enumerate(terms):
+            if isinstance(values, KeptPart):
+                self.term_dots[i] += float(factor) * float(np.dot(values.values(a, b), answer))
+            elif i > 0 and owned:  # reduce_slice scaled it in place: it is the term itself
+                self.term_dots[i] += float(np.dot(values[a:b], answer))
+            else:
+                self.term_dots[i] += float(factor) * float(np.dot(values[a:b], answer))
+
+    def receipt(self, part: int, members: list[str], shared: bool) -> Receipt:
+        """The receipt of the answer (unsigned), once every slice was added: a line per member of the round
+        (in ``members``' order), its share of its term's inner product by weight."""
+        index = {peer: i for i, peer in enumerate(members)}
+        lines = [Line(math.nan, 0.0, 0.0, i) for i in range(len(members))]
+        for group, norm, dot in zip(self.term_members, self.term_norms, self.term_dots, strict=True):
+            total = math.fsum(w for _, w in group)
+            first = index[group[0][0]]
+            for peer, w in group:
+                lines[index[peer]] = Line(w, norm, dot * w / total if total > 0 else 0.0, first)
+        return Receipt(part, shared, self.answer_norm2, self.answer_hash.digest(), tuple(lines))
