@@ -265,6 +265,12 @@ class CatchUp:
         if await self._fetch_averages():
             return OwnState()
         donors = await self._newest_donors(replay_from)
+        if donors.state is not None and self.waiting is not None:
+            # The wait is over (the donors agree again, or one serves the state now): the peer takes part in
+            # the rounds again, with weight 0, while it fetches. Kept out of them, its step would stand still
+            # and it would keep no average: with delay 1 every state it fetched would lack the average of its
+            # own step, and it would fetch a newer one for ever.
+            self.waiting = None
         if donors.state is None and donors.serving >= 2:
             raise DonorsDisagree(donors.reason or "the peers serving state agree on none yet")
         if donors.state is None and donors.serving:
