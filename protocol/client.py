@@ -327,8 +327,12 @@ class TrackerClient:
     async def verdicts(
         self, run_id: str, verdict: RoundVerdict, key: SigningKey, credential: Credential
     ) -> RoundVerdicts:
-        """Report the parts of a round this peer could not apply; every member's, once they reported."""
-        return self._decode(await self._signed(run_id, "verdicts", verdict, key, credential), RoundVerdicts)
+        """Report the parts of a round this peer could not apply; every member's, once they reported (the
+        tracker answers within 2 s: a slower answer is not waited for past 5 s, the round goes on without)."""
+        data = await self._signed(
+            run_id, "verdicts", verdict, key, credential, timeout_s=min(self.timeout_s, 5.0)
+        )
+        return self._decode(data, RoundVerdicts)
 
     async def spot_check(
         self, run_id: str, verdict: SpotCheckVerdict, key: SigningKey, credential: Credential
