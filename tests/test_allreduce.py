@@ -454,9 +454,12 @@ async def test_int8_error_feedback_makes_the_running_sum_converge():
             if first_error is None:
                 first_error = np.abs(results[0].values - expected).max()
         drift = np.abs(total / rounds - expected).max()
-        # without feedback the mean of results keeps the one-round error; with it, the error is spread out
+        # the senders' error feedback spreads their rounding out; the answers carry none (issue 48: an answer's
+        # rounding is its own, which its receipt bounds), so what is left is one answer's rounding, not more:
+        # at most half a step of the answer's block (absmax / 127 / 2), never growing with the rounds
+        step = np.abs(expected).max() / 127
         assert first_error > 0
-        assert drift < first_error / 5, (drift, first_error)
+        assert drift <= step / 2 + first_error / 5, (drift, first_error, step)
     finally:
         for p in peers:
             await p.stop()

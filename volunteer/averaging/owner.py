@@ -184,7 +184,11 @@ class Owner:
         """Set up my part of ``rnd``: its residual, its reducer, and my own copy already in it."""
         start, stop = rnd.bounds[rnd.my_part]
         codec = self.config.codec
-        if codec.lossy and not rnd.shared:  # (a later phase's answers carry no residual)
+        # Answers carry an error-feedback residual only in a first phase (a later phase's columns must answer the
+        # same bytes) and only with int2 and sparse, which round or withhold too much without it: with a residual
+        # an answer's rounding is no longer bounded by its own blocks, and its receipt's ‖a‖² = Σ g could not be
+        # held to the codec's tolerance (protocol/receipts.py)
+        if codec.lossy and not rnd.shared and receipts.tolerance(codec) is None:
             span = (0, vector.size) if codec.withholds else (start, stop)
             down = self._down_residuals.get(rnd.tag)
             if down is None or down[0] != span:
