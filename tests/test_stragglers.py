@@ -257,9 +257,9 @@ async def test_two_volunteers_that_cut_each_other_wrongly_every_round_still_trai
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(
     reason=(
-        "known regression, open (session of 2026-11-29, closing note): since 93a1694 the sleeper process takes no "
-        "step within 120 s under pytest (the three awake volunteers step ~17 times a second), while the same "
-        "helpers in a plain script see it take hundreds; 1 run in 3 failed so before this session"
+        "known failure, open (session of 2026-11-29, closing note): the sleeper process takes no step within "
+        "120 s under pytest (the three awake volunteers step ~17 times a second), also with the product code of "
+        "13934d9, while the same helpers in a plain script see it take hundreds; 1 run in 3 failed before"
     ),
     strict=False,
 )
