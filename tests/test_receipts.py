@@ -7,8 +7,6 @@ fault seams of these tests, which nothing in the CLI reaches."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -19,71 +17,17 @@ from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import Complaint, GroupAssignment, GroupMember
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
-from crowdtrain.volunteer.averaging.reducer import PartReducer
-from crowdtrain.volunteer.averaging.wire import Coder
+from tests.hostile import LineForger, OwnLineForger, forge_answers
 from tests.sim import SimVolunteer, make_run_create
 from tests.test_allreduce import assign, run_round, start_peers, weighted_mean
 
 N = 4096 * 3  # three int8 blocks per part of a group of 4 (parts are cut at the codec's blocks)
 
 
-class ScalingCoder(Coder):
-    """Encodes every answer multiplied by ``factor`` (its receipt's terms then witness the forged answer)."""
-
-    def __init__(self, config: AveragingConfig, factor: float) -> None:
-        super().__init__(config)
-        self.factor = factor
-
-    def encode_raw(self, values, residual=None, *, stored=False):
-        return super().encode_raw(values * np.float32(self.factor), residual, stored=stored)
-
-
-class OwnLineForger(PartReducer):
-    """Makes ``‖a‖² = Σ g`` hold by its own line, whatever the answer: the owner's term then exceeds its
-    Cauchy-Schwarz bound."""
-
-    __slots__ = ()
-
-    def receipt(self, members, shared):
-        r = super().receipt(members, shared)
-        me = members.index(self.owner)
-        rest = math.fsum(ln.g for i, ln in enumerate(r.lines) if ln.counted and i != me)
-        lines = list(r.lines)
-        lines[me] = receipts.Line(lines[me].weight, lines[me].norm, r.answer_norm2 - rest, me)
-        return receipts.Receipt(r.part, r.shared, r.answer_norm2, r.answer_digest, tuple(lines))
-
-
-class LineForger(PartReducer):
-    """Rewrites every term so that the receipt is consistent by itself (each within its bound, ``Σ g =
-    ‖a‖²``): only each member's own line can show the lie, which proves nothing to a third party."""
-
-    __slots__ = ()
-
-    def receipt(self, members, shared):
-        r = super().receipt(members, shared)
-        bounds = [ln.norm * ln.weight if ln.counted else 0.0 for ln in r.lines]
-        total = math.fsum(bounds)
-        lines = tuple(
-            receipts.Line(ln.weight, ln.norm, r.answer_norm2 * b / total, ln.copy) if ln.counted else ln
-            for ln, b in zip(r.lines, bounds, strict=True)
-        )
-        return receipts.Receipt(r.part, r.shared, r.answer_norm2, r.answer_digest, lines)
-
-
 def make_hostile(peer, attack: str) -> None:
-    owner = peer.averager.owner
-    owner._coder = ScalingCoder(owner.config, -1.0 if attack == "reversed, lines forged" else -10.0)
+    """The hostile owner's seams (tests/hostile.py) for ``attack``."""
     forger = {"x -10, own line forged": OwnLineForger, "reversed, lines forged": LineForger}.get(attack)
-    if forger is None:
-        return
-    prepare = owner.prepare
-
-    def forging_prepare(rnd, vector, weight):
-        prepare(rnd, vector, weight)
-        if rnd.reducer is not None:
-            rnd.reducer.__class__ = forger
-
-    owner.prepare = forging_prepare
+    forge_answers(peer.averager, -1.0 if attack == "reversed, lines forged" else -10.0, forger)
 
 
 ATTACKS = {  # attack -> (the hostile's weight, proven by the receipt alone)

@@ -229,21 +229,10 @@ class Volunteers:
         """A member's vote to cut a part owner asleep in a round, or the owner's claim (tracker/cuts.py)."""
         run, msg, public_key = await self._signed(request, CutCall)
         a = msg.assignment
-        try:
-            verify_assignment(a, self.tracker.signer.public_hex)
-        except AuthError:
-            raise ApiError(403, "the assignment is not one this tracker signed") from None
-        if a.run_id != run.run_id:
-            raise ApiError(400, f"the assignment is for run {a.run_id}, not {run.run_id}")
-        members = {m.peer_id: m for m in a.members}
-        caller, owner = members.get(msg.peer_id), members.get(msg.owner)
-        if caller is None or caller.public_key != public_key:
-            raise ApiError(403, f"peer {msg.peer_id} is not a member of round {a.round_id}")
+        self._member_round(run, a, msg.peer_id, public_key, msg.tag)
+        owner = next((m for m in a.members if m.peer_id == msg.owner), None)
         if owner is None or owner.part < 0:
             raise ApiError(400, f"peer {msg.owner} owns no part of round {a.round_id}")
-        tags = (round_tag("grad", a.phase), round_tag("params", a.phase))  # (those of this round's phase)
-        if msg.tag not in tags:
-            raise ApiError(400, f"round {a.round_id} runs under {tags[0]} and {tags[1]}, not {msg.tag}")
         try:
             decision = await run.cuts.call(a, msg.tag, msg.peer_id, msg.owner, time.time())
         except CutRefused as exc:
