@@ -255,14 +255,6 @@ async def test_two_volunteers_that_cut_each_other_wrongly_every_round_still_trai
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    reason=(
-        "known failure, open (session of 2026-11-29, closing note): the sleeper process takes no step within "
-        "120 s under pytest (the three awake volunteers step ~17 times a second), also with the product code of "
-        "13934d9, while the same helpers in a plain script see it take hundreds; 1 run in 3 failed before"
-    ),
-    strict=False,
-)
 async def test_with_delayed_updates_a_volunteer_asleep_a_few_steps_comes_back_to_the_others_exact_state(
     tmp_path,
 ):
