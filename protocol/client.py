@@ -37,6 +37,8 @@ from crowdtrain.protocol.messages import (
     JoinResponse,
     LeaveRequest,
     Message,
+    PullReply,
+    PullReport,
     ReadyReply,
     ReadyRequest,
     RoundVerdict,
@@ -323,6 +325,13 @@ class TrackerClient:
         return self._decode(
             await self._signed(run_id, "complaint", complaint, key, credential), ComplaintReply
         )
+
+    async def report_pull(
+        self, run_id: str, report: PullReport, key: SigningKey, credential: Credential
+    ) -> PullReply:
+        """Report a member whose copy pointed against the others', with the receipts that show it
+        (tracker/pulls.py)."""
+        return self._decode(await self._signed(run_id, "pull", report, key, credential), PullReply)
 
     async def verdicts(
         self, run_id: str, verdict: RoundVerdict, key: SigningKey, credential: Credential

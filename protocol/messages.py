@@ -550,6 +550,33 @@ class ComplaintReply(Message, frozen=True, kw_only=True):
     proven: bool  # the receipt alone showed it
 
 
+class PullReport(Message, frozen=True, kw_only=True):
+    """``POST /api/v1/runs/{id}/pull``: a member of a round's first phase whose part owners' signed receipts
+    show another member's copy pointing against the others' terms (protocol/receipts.py, :func:`alignment`
+    below :data:`PULL_COS`). The receipts are those of the parts owned by neither the reporter nor the
+    accused; the tracker checks their signatures and recomputes the cosine, and bars a key reported so in
+    enough rounds by enough reporters (tracker/pulls.py)."""
+
+    version: Version = VERSION
+    peer_id: PeerId  # the member reporting
+    assignment: GroupAssignment  # the round, as the tracker signed it
+    tag: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]  # the first phase's grad tag
+    member: PeerId  # the member whose copy pulls
+    receipts: Annotated[
+        list[Annotated[str, Meta(pattern=r"^[0-9a-f]*$", max_length=2 * (100 + 28 * 256))]],
+        Meta(min_length=1, max_length=256),
+    ]  # hex, one per part
+
+
+class PullReply(Message, frozen=True, kw_only=True):
+    """What the tracker made of a :class:`PullReport`: the member ``barred`` (at the report that completes
+    the rule), ``already barred``, or ``counted``; ``alignment`` is the cosine it recomputed."""
+
+    version: Version = VERSION
+    outcome: Literal["barred", "already barred", "counted"]
+    alignment: float
+
+
 class RoundVerdict(Message, frozen=True, kw_only=True):
     """``POST /api/v1/runs/{id}/verdicts``: the parts of a round this member could not apply (an answer that
     failed its receipt, or never came); answered with every member's (tracker/verdicts.py)."""

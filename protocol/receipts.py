@@ -64,6 +64,21 @@ OWN_RELATIVE = 1e-3  # a member's own norm and g against its own computation (fp
 LATER_PHASE_CLIP = 5.0
 
 
+# A member whose copy has a cosine below this with the other members' terms (:func:`alignment`), over the
+# receipts of PULL_PARTS parts or more, pulls against the run; a member that sees it so in two rounds in a
+# row reports it to the tracker (tracker/pulls.py). Measured (docs/security.md, "A member that pulls"), over
+# 2 parts of groups of 4: honest members 0.14 and up in local-steps mode (pseudo-gradients of many steps
+# agree), now and then below -0.5 in every-step mode (one micro-batch's gradients are noisy), never twice in
+# a row there; -4.9x its own: -0.56 and below in local-steps mode, -0.79 and below in every-step mode.
+PULL_COS = {"local-steps": -0.3, "every-step": -0.5}
+PULL_PARTS = 2
+
+
+def pull_cos(local: bool) -> float:
+    """The cosine below which a member's copy pulls against the others (see PULL_COS)."""
+    return PULL_COS["local-steps" if local else "every-step"]
+
+
 def clip_for_phase(clip_multiple: float, shared: bool) -> float:
     """The clip multiple the reducer applies: the run's in a first phase, at least LATER_PHASE_CLIP in a
     later one (0: no clipping in either)."""
@@ -280,3 +295,24 @@ def verify_owner(receipt: Receipt, public_key: str, run_id: str, key: str) -> Fi
     except AuthError as exc:
         return Finding(False, str(exc))
     return None
+
+
+def alignment(held: Sequence[tuple[Receipt, int]], member: int, clip_multiple: float) -> float | None:
+    """The cosine between ``member``'s copy and the other members' terms summed, over the parts of a first
+    phase whose receipts are ``held`` (each with its owner's index), from their lines alone:
+    ``<c, a - f c> / (‖c‖ ‖a - f c‖)``, with ``<c, a> = g / f`` part by part. None when a receipt counts no
+    copy of it with a factor, or a copy or rest has no length. A member whose copy points against the
+    others' round after round pulls against the run (docs/security.md, "A member that pulls")."""
+    dot = copy2 = rest2 = 0.0
+    for r, owner in held:
+        f = factors(r, owner, clip_multiple)
+        ln = r.lines[member] if 0 <= member < len(r.lines) else None
+        if ln is None or not ln.counted or f[member] <= 0:
+            return None
+        fm = f[member]
+        dot += ln.g / fm - fm * ln.norm**2
+        copy2 += ln.norm**2
+        rest2 += r.answer_norm2 - 2 * ln.g + (fm * ln.norm) ** 2
+    if not held or copy2 <= 0 or rest2 <= 0:
+        return None
+    return max(-1.0, min(1.0, dot / math.sqrt(copy2 * rest2)))

@@ -192,6 +192,7 @@ async def hostile_run(
         rounds = [e for e in events if isinstance(e, ev.RoundDone)]
         byte_counts.append(sum(e.bytes_sent + e.bytes_received for e in rounds) / max(1, len(done)))
     refused = [e for events in honest_events for e in events if isinstance(e, ev.AnswerRefused)]
+    pulling = [e for events in honest_events for e in events if isinstance(e, ev.MemberPulling)]
     last_params = [max(r.params) if r.params else None for r in recs]
     same = all(
         last_params[0] is not None and k == last_params[0] and np.array_equal(r.params[k], recs[0].params[k])
@@ -210,6 +211,8 @@ async def hostile_run(
         "refused_answers": len(refused),
         "refused_proven": sum(e.proven for e in refused),
         "hostile_barred": _key(fourth) in barred,
+        "pulls_reported": len(pulling),
+        "pulls_of_honest": sorted({e.member for e in pulling if e.member != fourth.peer_id}),
         "hostile_end": repr(fourth_result)[:200],
         "honest_identical": same,
         "accused_honest": [

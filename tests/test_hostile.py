@@ -38,6 +38,7 @@ async def test_one_hostile_volunteer_in_four_steers_nothing(tmp_path_factory, mo
     base = await clean(tmp_path_factory, mode)
     got = await hostile_run(tmp_path_factory.mktemp("hostile"), role, mode, seed=1)
     story = f"{role} in {mode}: {got}\nclean: {base}"
+    assert base["pulls_reported"] == 0 and not base["accused_honest"], story
     assert got["honest_steps"] == base["honest_steps"], story
     assert got["honest_loss"] <= 1.15 * base["honest_loss"], story
     assert not got["accused_honest"], story
@@ -47,5 +48,7 @@ async def test_one_hostile_volunteer_in_four_steers_nothing(tmp_path_factory, mo
         assert got["refused_answers"] >= 1 and got["hostile_barred"], story
         if role != "owner crafted":  # (a receipt that holds by itself is no proof: accusations bar it)
             assert got["refused_proven"] == got["refused_answers"], story
-    else:  # its copies are clipped to the median copy's norm; spot-checks (every-step only) bar it
-        assert got["hostile_barred"] == (mode == "every-step"), story
+    else:  # its copies are clipped to the median copy's norm; the owners' receipts show its pull, which bars it
+        assert got["hostile_barred"], story
+        assert got["pulls_reported"] >= 1 or mode == "every-step", story  # (spot-checks may bar it first)
+    assert not got["pulls_of_honest"], story

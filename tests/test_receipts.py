@@ -44,9 +44,15 @@ async def test_an_honest_member_applies_no_answer_its_owner_cannot_account_for(a
     peers = await start_peers(4, AveragingConfig(clip_multiple=0.0), prefix="rc-")
     complaints: list[tuple[str, str]] = []
 
-    async def complainer(a, tag, owner, receipt, why):
-        complaints.append((owner, receipts.Receipt.parse(receipt, len(a.members)).part))
-        return "accused"
+    class Complainer:
+        async def of_owner(self, a, tag, owner, receipt, why):
+            complaints.append((owner, receipts.Receipt.parse(receipt, len(a.members)).part))
+            return "accused"
+
+        async def of_member(self, a, tag, member, held):
+            raise AssertionError(f"no member pulls here, yet {member} was reported")
+
+    complainer = Complainer()
 
     try:
         make_hostile(peers[0], attack)
@@ -179,3 +185,95 @@ async def test_the_tracker_bars_an_owner_on_its_own_receipt_and_counts_other_com
     with pytest.raises(TrackerError) as bad:
         await complain("n2", "m1", c, receipt("n1", c, (1 / 3, 1 / 3, 1 / 3), 1.0))
     assert bad.value.status == 422, bad.value
+
+
+async def test_the_tracker_bars_a_member_whose_copies_pull_against_the_others_by_its_owners_receipts(
+    tracker, admin
+):
+    """A report of a member pulling against the others is recomputed from the part owners' signed receipts:
+    an honest member's is refused, and so are receipts of the reporter's or the accused's own part and
+    receipts their owners did not sign; the accused is barred once reported in 3 steps by 2 reporters, and its
+    next request is refused with the reason."""
+    from crowdtrain.protocol.messages import PullReport
+    from crowdtrain.tracker.pulls import PULL_ROUNDS
+
+    run_id = (await admin.create_run(make_run_create(target_batch_size=10**6))).run_id
+    names = ("o1", "o2", "r1", "r2", "x")
+    peers = {}
+    for name in names:
+        peers[name] = SimVolunteer(admin, run_id)
+        await peers[name].join()
+    parts = {"o1": 0, "o2": 1, "r1": 2}  # (r2 and x own no part)
+
+    def round_at(step: int) -> GroupAssignment:
+        members = [
+            GroupMember(
+                peer_id=peers[n].peer_id,
+                address="127.0.0.1:9" if n in parts else None,
+                public_key=peers[n].key.public_hex,
+                weight=1,
+                part=parts.get(n, -1),
+            )
+            for n in names
+        ]
+        unsigned = GroupAssignment(
+            run_id=run_id,
+            round_id=f"pull-{step}",
+            step=step,
+            members=members,
+            parts=len(parts),
+            average_params=False,
+            deadline=9e9,
+            seed=0,
+            signature="",
+        )
+        return sign_assignment(tracker.signer, unsigned)
+
+    rng = np.random.default_rng(5)
+
+    def receipt(a: GroupAssignment, part: int, signer: str) -> str:
+        """The honest receipt of ``part``: four copies near one direction, x's against it (all of norm 1)."""
+        base = rng.standard_normal(64)
+        copies = [base + 0.5 * rng.standard_normal(64) for _ in range(4)] + [-base]
+        copies = [c / np.linalg.norm(c) for c in copies]
+        answer = sum(copies) / len(copies)
+        lines = tuple(
+            receipts.Line(1.0, 1.0, float(c @ answer) / len(copies), i) for i, c in enumerate(copies)
+        )
+        r = receipts.Receipt(part, False, float(answer @ answer), b"\0" * 16, lines)
+        return r.signed(peers[signer].key, run_id, f"{a.round_id}/grad").to_bytes().hex()
+
+    async def report(who: str, member: str, a: GroupAssignment, recs: list[str]):
+        v = peers[who]
+        msg = PullReport(
+            peer_id=v.peer_id, assignment=a, tag="grad", member=peers[member].peer_id, receipts=recs
+        )
+        return await admin.report_pull(run_id, msg, v.key, v.joined.credential)
+
+    async def refused(who: str, member: str, a: GroupAssignment, recs: list[str]) -> str:
+        with pytest.raises(TrackerError) as caught:
+            await report(who, member, a, recs)
+        assert caught.value.status == 422, caught.value
+        return str(caught.value)
+
+    a = round_at(1)
+    held = [receipt(a, 0, "o1"), receipt(a, 1, "o2")]
+    assert "not below" in await refused("r2", "o1", a, [receipt(a, 1, "o2"), receipt(a, 2, "r1")])  # honest
+    assert "2 parts or more" in await refused("r2", "x", a, held[1:])  # a third of the vector says too little
+    assert "owned by neither" in await refused("r1", "x", a, [*held, receipt(a, 2, "r1")])
+    assert "not its owner's" in await refused("r2", "x", a, [receipt(a, 0, "r2")])
+
+    outcomes = []
+    for step in range(1, PULL_ROUNDS + 1):
+        a = round_at(step)
+        reply = await report("r1", "x", a, [receipt(a, 0, "o1"), receipt(a, 1, "o2")])
+        assert reply.alignment < receipts.pull_cos(local=False), reply
+        outcomes.append(reply.outcome)
+    assert outcomes == ["counted"] * PULL_ROUNDS  # one reporter is not enough
+    a = round_at(PULL_ROUNDS)
+    assert (await report("r2", "x", a, [receipt(a, 0, "o1"), receipt(a, 1, "o2")])).outcome == "barred"
+    with pytest.raises(TrackerError) as gone:
+        await peers["x"].heartbeat(0, 0)
+    assert gone.value.status == 410 and "pointed against the other members'" in str(gone.value)
+    status = await admin.status(run_id)
+    assert "signed receipts" in {c.public_key: c.barred for c in status.credits}[peers["x"].key.public_hex]

@@ -38,6 +38,7 @@ from crowdtrain.protocol.messages import (
     Heartbeat,
     JoinRequest,
     LeaveRequest,
+    PullReport,
     ReadyRequest,
     RoundVerdict,
     SpotCheckVerdict,
@@ -427,6 +428,18 @@ TRACKER_AUTH: dict[tuple[str, str], dict[str, tuple[int, Attack]]] = {
             owner=w.members["a"].peer_id,
             receipt=consistent_receipt(w, m).hex(),
             why="the receipt says this member's copy has norm 2, not 1",
+        ),
+        world_body=True,
+    ),
+    # (the valid report is refused 422: the only receipt is the accused's own part's)
+    ("POST", "/api/v1/runs/{run_id}/pull"): signed_route(
+        "pull",
+        lambda w, m: PullReport(
+            peer_id=m.peer_id,
+            assignment=cut_round(w, m),
+            tag="grad",
+            member=w.members["a"].peer_id,
+            receipts=[consistent_receipt(w, m).hex()],
         ),
         world_body=True,
     ),

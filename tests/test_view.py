@@ -139,6 +139,9 @@ def script() -> list[ev.Event]:
             proven=True,
             tracker="barred",
         ),
+        ev.MemberPulling(
+            t=T0 + 31, round_id="rd-46", step=46, member="p-pull", alignment=-0.84, tracker="counted"
+        ),
         ev.LogLine(t=T0 + 32, level="warning", message="tracker answered slowly (2.1 s)"),
         ev.StateServed(t=T0 + 33, step=41, content_hash="99aa88bb77cc66dd", size=8_000_000),
         ev.Evaluated(
@@ -230,8 +233,8 @@ def test_render_shows_each_panels_figures():
         "last failure step 44: group had 1 member",
         # recent log lines
         "WARNING tracker answered slowly (2.1 s)",
-        # (the round failed at step 44 is one line older than the panel's six)
-        "WARNING step 45: part 2's answer from owner p-evil refused (the answer is not the mean",
+        # (the round failed at step 44 and the refused answer of step 45 are older than the panel's six)
+        "WARNING step 46: member p-pull's copy points against the others' (cosine -0.84)",
     ]:
         assert has(text, pattern), f"{pattern!r} not on screen:\n{text}"
     for title in ("collaboration", "local training", "data set", "state sync", "averaging", "recent"):
@@ -575,6 +578,10 @@ def expected_plain() -> list[str]:
             31,
             "WARNING step 45: part 2's answer from owner p-evil refused (the answer is not the mean of the copies "
             "listed); the tracker: barred",
+        ),
+        (
+            31,
+            "WARNING step 46: member p-pull's copy points against the others' (cosine -0.84); the tracker: counted",
         ),
         (32, "WARNING tracker answered slowly (2.1 s)"),
         (33, "serving state of step 41 (99aa88bb77cc, 8.0 MB)"),

@@ -151,6 +151,7 @@ class Tracker:
         r.add_post("/api/v1/runs/{run_id}/cut", volunteers.cut)
         r.add_post("/api/v1/runs/{run_id}/complaint", volunteers.complaint)
         r.add_post("/api/v1/runs/{run_id}/verdicts", volunteers.verdicts)
+        r.add_post("/api/v1/runs/{run_id}/pull", volunteers.pull)
         r.add_post("/api/v1/datasets", admin.register_dataset)
         r.add_post("/api/v1/runs", admin.create_run)
         r.add_get("/api/v1/runs", self.list_runs)

@@ -200,7 +200,8 @@ class SpotChecks:
         return self._barred
 
     def bar_on_proof(self, key: str, reason: str) -> bool:
-        """Bar ``key`` at once: ``reason`` is a fact a signed statement of its own shows (True: newly barred)."""
+        """Bar ``key`` at once: ``reason`` (a sentence its refusals give) is a fact signed statements show: its
+        own receipt (tracker/volunteers.py, complaint) or its owners' (tracker/pulls.py). True: newly barred."""
         if key in self.barred_keys():
             return False
         self.store.bar(self.spec.run_id, key, reason)
@@ -214,8 +215,8 @@ class SpotChecks:
             return None
         if key in self._proven:
             return (
-                f"run {self.spec.run_id} takes nothing more from this volunteer's key: as a part owner it "
-                f"signed a receipt that does not hold ({self._proven[key]}); see docs/security.md"
+                f"run {self.spec.run_id} takes nothing more from this volunteer's key: {self._proven[key]}; "
+                "see docs/security.md"
             )
         return (
             f"run {self.spec.run_id} takes nothing more from this volunteer's key: its gradients failed "

@@ -30,6 +30,8 @@ from crowdtrain.protocol.messages import (
     JoinRequest,
     JoinResponse,
     LeaveRequest,
+    PullReply,
+    PullReport,
     ReadyRequest,
     RoundVerdict,
     RoundVerdicts,
@@ -41,6 +43,7 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.tracker.collab import Peer, RunState, eval_refusal
 from crowdtrain.tracker.cuts import CutRefused
 from crowdtrain.tracker.donors import StateRefused
+from crowdtrain.tracker.pulls import PULL_WINDOW
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
@@ -287,7 +290,7 @@ class Volunteers:
         )
         proven = finding is not None and finding.proven
         if finding is not None and finding.proven:
-            why = f"round {a.round_id} part {owner.part}: {finding.why}"
+            why = f"as a part owner it signed a receipt that does not hold (round {a.round_id} part {owner.part}: {finding.why})"
             barred = run.checks.bar_on_proof(owner.public_key, why)
             outcome: Literal["barred", "already barred", "accused"] = "barred" if barred else "already barred"
         else:
@@ -309,6 +312,88 @@ class Volunteers:
                 run.remove(peer.peer_id)
             run.maybe_form(time.time())
         return json_reply(ComplaintReply(outcome=outcome, proven=proven))
+
+    async def pull(self, request: web.Request) -> web.Response:
+        """A member's report of another whose copy pointed against the others' terms in a first phase, with
+        the signed receipts that show it (tracker/pulls.py): checked and recomputed here; enough such rounds
+        from enough reporters bar the member's key."""
+        run, msg, public_key = await self._signed(request, PullReport)
+        a = msg.assignment
+        self._member_round(run, a, msg.peer_id, public_key, msg.tag)
+        if a.phase != 0 or msg.tag != round_tag("grad", 0):
+            raise ApiError(400, f"a pull is reported of a first phase's {round_tag('grad', 0)} round only")
+        members = [m.peer_id for m in a.members]
+        accused = next((m for m in a.members if m.peer_id == msg.member), None)
+        if accused is None or accused.peer_id == msg.peer_id or accused.weight <= 0:
+            raise ApiError(400, f"peer {msg.member} is no other member of round {a.round_id} with a weight")
+        owners = {m.part: m for m in a.members if m.part >= 0}
+        uniform = all(m.weight == 0 for m in a.members)
+        weights = [1.0 if uniform else float(m.weight) for m in a.members]
+        clip = run.spec.averaging.clip_multiple
+        held: dict[int, tuple[receipts.Receipt, int]] = {}
+        for raw in msg.receipts:
+            try:
+                r = receipts.Receipt.parse(bytes.fromhex(raw), len(members))
+            except (ValueError, ProtocolError) as exc:
+                raise ApiError(422, f"a receipt of the report is not one: {exc}") from None
+            owner = owners.get(r.part)
+            if owner is None or owner.peer_id in (msg.peer_id, msg.member) or r.part in held:
+                raise ApiError(
+                    422, f"part {r.part}'s receipt is not one of a part owned by neither reporter nor accused"
+                )
+            try:
+                r.verify(owner.public_key, run.run_id, f"{a.round_id}/{msg.tag}")
+            except AuthError as exc:
+                raise ApiError(422, f"part {r.part}'s receipt is not its owner's: {exc}") from None
+            finding = receipts.check(
+                r,
+                part=r.part,
+                owner=members.index(owner.peer_id),
+                weights=weights,
+                clip_multiple=clip,
+                codec=Codec.parse(run.spec.averaging.codec),
+                shared=False,
+            )
+            if finding is not None:
+                raise ApiError(422, f"part {r.part}'s receipt does not hold ({finding.why}): complain of it")
+            held[r.part] = (r, members.index(owner.peer_id))
+        if len(held) < receipts.PULL_PARTS:
+            raise ApiError(422, f"a pull is shown by the receipts of {receipts.PULL_PARTS} parts or more")
+        cos = receipts.alignment(list(held.values()), members.index(msg.member), clip)
+        threshold = receipts.pull_cos(run.spec.averaging.local)
+        if cos is None or cos >= threshold:
+            shown = "no cosine" if cos is None else f"a cosine of {cos:.3f}"
+            raise ApiError(
+                422,
+                f"the receipts give {msg.member}'s copy {shown} with the others' terms, not below {threshold}",
+            )
+        where = origin_of(request.remote)
+        reporter = where.address if where is not None else f"key {public_key}"
+        outcome: Literal["barred", "already barred", "counted"] = "counted"
+        if accused.public_key in run.checks.barred_keys():
+            outcome = "already barred"
+        elif run.pulls.report(accused.public_key, a.step, reporter):
+            why = (
+                f"its copies pointed against the other members' in {run.pulls.rounds(accused.public_key)} "
+                f"rounds within {PULL_WINDOW} steps (cosine {cos:.2f} at step {a.step}), as part owners' "
+                "signed receipts show"
+            )
+            run.checks.bar_on_proof(accused.public_key, why)
+            outcome = "barred"
+        log.warning(
+            "run %s: %s reports member %s of round %s pulling against the others (cosine %.3f): %s",
+            run.run_id,
+            msg.peer_id,
+            msg.member,
+            a.round_id,
+            cos,
+            outcome,
+        )
+        if outcome == "barred":
+            for peer in [p for p in run.peers.values() if p.public_key == accused.public_key]:
+                run.remove(peer.peer_id)
+            run.maybe_form(time.time())
+        return json_reply(PullReply(outcome=outcome, alignment=cos))
 
     async def verdicts(self, request: web.Request) -> web.Response:
         """A member's failed parts of a round; answered with every member's (tracker/verdicts.py)."""

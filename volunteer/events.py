@@ -219,6 +219,18 @@ class AnswerRefused(Event):
     tracker: str  # what the tracker made of the complaint: barred, already barred, accused; "" unknown
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemberPulling(Event):
+    """A member's copy pointed against the other members' terms (a cosine below ``PULL_COS``, from the part
+    owners' receipts); reported to the tracker (tracker/pulls.py)."""
+
+    round_id: str
+    step: int
+    member: str
+    alignment: float  # the cosine between its copy and the others' terms
+    tracker: str  # what the tracker made of the report: barred, already barred, counted; "" unknown
+
+
 # ------------------------------------------------------------ state sync
 
 

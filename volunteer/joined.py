@@ -36,7 +36,7 @@ from crowdtrain.protocol.messages import (
 from crowdtrain.protocol.runcheck import check_run
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging.allreduce import Averager
-from crowdtrain.volunteer.averaging.complaints import tracker_complainer
+from crowdtrain.volunteer.averaging.complaints import TrackerComplainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.cutting import tracker_referee
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
@@ -421,7 +421,7 @@ async def _serving(
             config=AveragingConfig.from_spec(spec.averaging),
             emit=me.emit_averaging,
             referee=tracker_referee(tracker, cfg.run_id, join.peer_id, me.key, join.credential),
-            complainer=tracker_complainer(tracker, cfg.run_id, join.peer_id, me.key, join.credential),
+            complainer=TrackerComplainer(tracker, cfg.run_id, join.peer_id, me.key, join.credential),
         )
         # snapshots live in files of their own; leftovers of an earlier run of this peer go
         state_dir = cfg.data_dir / "crowdtrain-state"

@@ -62,10 +62,14 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
+from collections.abc import Coroutine
+from typing import Any
 
 import numpy as np
 from aiohttp import web
 
+from crowdtrain.protocol import receipts
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
@@ -79,9 +83,11 @@ from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_
 from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder, KeptPart
-from crowdtrain.volunteer.events import AnswerRefused, Emit, RoundDone, RoundFailed, no_emit
+from crowdtrain.volunteer.events import AnswerRefused, Emit, MemberPulling, RoundDone, RoundFailed, no_emit
 
 log = logging.getLogger(__name__)
+
+MAX_PULL_MEMORY = 4096  # members whose last alignment is remembered
 
 AWAKE_ROUTE = "/v1/awake"  # answers whenever this peer's loop runs: asked before a vote to cut it
 
@@ -119,6 +125,9 @@ class Averager:
         self.emit = emit
         self.complainer = complainer
         self._complaints: set[asyncio.Task[None]] = set()
+        # member → whether its copy pulled against the others in the last round this peer saw it in (a member
+        # is reported from its second such round in a row: one round of noisy gradients says too little)
+        self._pulled: OrderedDict[str, bool] = OrderedDict()
         self._coder = Coder(self.config)  # one coder for both sides
         self.owner = Owner(
             run_id=run_id,
@@ -352,7 +361,7 @@ class Averager:
         async def send() -> None:
             outcome = None
             if self.complainer is not None:
-                outcome = await self.complainer(a, rnd.tag, owner, receipt, finding.why)
+                outcome = await self.complainer.of_owner(a, rnd.tag, owner, receipt, finding.why)
             self.emit(
                 AnswerRefused(
                     round_id=a.round_id,
@@ -365,7 +374,55 @@ class Averager:
                 )
             )
 
-        task = asyncio.get_running_loop().create_task(send())
+        self._background(send())
+
+    def _pulling(self, rnd: Round) -> None:
+        """Report the members whose copies point against the others' terms in this first phase and in the last
+        round this peer saw them in, by the receipts of the parts owned by neither this peer nor them
+        (protocol/receipts.py, :func:`alignment`)."""
+        a, n = rnd.assignment, len(rnd.members)
+        held = {part: (receipts.Receipt.parse(raw, n), owner, raw) for part, (owner, raw) in rnd.held.items()}
+        for index, member in enumerate(rnd.members.values()):
+            if member.peer_id == self.peer_id or member.weight <= 0:
+                continue
+            theirs = [(r, owner, raw) for part, (r, owner, raw) in held.items() if part != member.part]
+            if len(theirs) < receipts.PULL_PARTS:
+                continue
+            cos = receipts.alignment([(r, owner) for r, owner, _ in theirs], index, self.config.clip_multiple)
+            if cos is None:
+                continue
+            pulls = cos < receipts.pull_cos(self.config.local)
+            before = self._pulled.pop(member.peer_id, False)
+            self._pulled[member.peer_id] = pulls
+            while len(self._pulled) > MAX_PULL_MEMORY:
+                self._pulled.popitem(last=False)
+            if not (pulls and before):
+                continue
+            log.warning(
+                "round %s: member %s's copy points against the others' terms (cosine %.3f, by %d part owners' "
+                "receipts)",
+                rnd.key,
+                member.peer_id,
+                cos,
+                len(theirs),
+            )
+            self._background(self._report_pull(a, rnd.tag, member.peer_id, cos, [raw for *_, raw in theirs]))
+
+    async def _report_pull(
+        self, a: GroupAssignment, tag: str, member: str, cos: float, held: list[bytes]
+    ) -> None:
+        outcome = None
+        if self.complainer is not None:
+            outcome = await self.complainer.of_member(a, tag, member, held)
+        self.emit(
+            MemberPulling(
+                round_id=a.round_id, step=a.step, member=member, alignment=cos, tracker=outcome or ""
+            )
+        )
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (a call to the tracker) in the background; :meth:`close` awaits it."""
+        task = asyncio.get_running_loop().create_task(coro)
         self._complaints.add(task)
         task.add_done_callback(self._complaints.discard)
 
@@ -387,6 +444,8 @@ class Averager:
         }
         for owner, part, receipt, finding in rnd.complaints:
             self._complain(rnd, owner, part, receipt, finding)
+        if rnd.held and not rnd.shared and tag == "grad":
+            self._pulling(rnd)
         result = RoundResult(
             round_key=rnd.key,
             values=output,

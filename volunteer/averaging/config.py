@@ -30,6 +30,9 @@ class AveragingConfig:
     # 0: compress whenever zstd shrinks the payload. The receiver needs no setting.
     zstd_min_gain: float = 0.1
     clip_multiple: float = 1.0  # 0 disables clipping
+    local: bool = (
+        False  # the run's mode is local steps (a pull is judged by its threshold: protocol/receipts.py)
+    )
     subframe_elements: int = 1 << 20
     limits: Limits = field(default_factory=lambda: DEFAULT_LIMITS)
     connect_timeout_s: float = 5.0
@@ -82,6 +85,7 @@ class AveragingConfig:
             "codec": Codec.parse(spec.codec),
             "zstd_level": spec.zstd_level,
             "clip_multiple": spec.clip_multiple,
+            "local": spec.local,
             "subframe_elements": spec.subframe_elements,
         }
         values.update(overrides)

@@ -92,6 +92,8 @@ class Round:
     stats: Stats = field(default_factory=Stats)
     # answers whose receipt failed (protocol/receipts.py): (owner, part, the receipt, what is wrong with it)
     complaints: list[tuple[str, int, bytes, Finding]] = field(default_factory=list)
+    # the receipts that held, as received: part → (owner's index, the receipt's bytes)
+    held: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     late: bool = False  # an owner refused my copy with 410 (its part or the round had closed), or I was cut
     # cutting a member asleep in the round (tracker/cuts.py): when the round last moved (monotonic), and the
     # owners the group cut

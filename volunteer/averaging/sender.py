@@ -291,6 +291,8 @@ class Sender:
             )
             if finding is not None:
                 rnd.complaints.append((owner.peer_id, owner.part, raw, finding))
+            else:
+                rnd.held[owner.part] = (members.index(owner.peer_id), raw)
         if finding is None:
             return None
         return f"answered a part its receipt does not account for: {finding.why}"

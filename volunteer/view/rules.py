@@ -323,6 +323,7 @@ LOGGED: dict[type[ev.Event], Callable[[Any], bool]] = {
     ev.RoundDone: troubled,
     ev.RoundFailed: _always,
     ev.AnswerRefused: _always,
+    ev.MemberPulling: _always,
     ev.StateSyncStarted: _always,
     ev.DonorBanned: _always,
     ev.StateLoaded: _always,

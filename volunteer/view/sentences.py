@@ -238,6 +238,13 @@ def _answer_refused(e: ev.AnswerRefused) -> Sentence:
     )
 
 
+def _member_pulling(e: ev.MemberPulling) -> Sentence:
+    told = f"; the tracker: {e.tracker}" if e.tracker else ""
+    return "warning", (
+        f"step {e.step}: member {e.member}'s copy points against the others' (cosine {e.alignment:.2f}){told}"
+    )
+
+
 def _left(e: ev.Left) -> Sentence:
     return "info", f"left the run: {e.reason}"
 
@@ -259,6 +266,7 @@ SENTENCES: dict[type[ev.Event], Callable[[Any], Sentence]] = {
     ev.RoundDone: _round_done,
     ev.RoundFailed: _round_failed,
     ev.AnswerRefused: _answer_refused,
+    ev.MemberPulling: _member_pulling,
     ev.StateSyncStarted: _sync_started,
     ev.StateSyncProgress: _sync_progress,
     ev.DonorBanned: _donor_banned,
