@@ -297,15 +297,18 @@ def verify_owner(receipt: Receipt, public_key: str, run_id: str, key: str) -> Fi
     return None
 
 
-def alignment(held: Sequence[tuple[Receipt, int]], member: int, clip_multiple: float) -> float | None:
+def alignment(
+    held: Sequence[tuple[Receipt, int]], member: int, clip_multiple: float, plans: Sequence[list[float]] = ()
+) -> float | None:
     """The cosine between ``member``'s copy and the other members' terms summed, over the parts of a first
-    phase whose receipts are ``held`` (each with its owner's index), from their lines alone:
+    phase whose receipts are ``held`` (each with its owner's index; ``plans``: their :func:`factors`, when
+    already computed), from their lines alone:
     ``<c, a - f c> / (‖c‖ ‖a - f c‖)``, with ``<c, a> = g / f`` part by part. None when a receipt counts no
     copy of it with a factor, or a copy or rest has no length. A member whose copy points against the
     others' round after round pulls against the run (docs/security.md, "A member that pulls")."""
     dot = copy2 = rest2 = 0.0
-    for r, owner in held:
-        f = factors(r, owner, clip_multiple)
+    for k, (r, owner) in enumerate(held):
+        f = plans[k] if plans else factors(r, owner, clip_multiple)
         ln = r.lines[member] if 0 <= member < len(r.lines) else None
         if ln is None or not ln.counted or f[member] <= 0:
             return None

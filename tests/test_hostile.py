@@ -5,7 +5,8 @@ every-step or local-steps mode; the honest volunteers' loss (mean of their last 
 same run where the fourth volunteer is honest, same seeds. Single runs of this size spread by about 5 % (a clean local-steps run: 2.50 to 2.67), and the
 member's pull costs about 5 % by itself, so the suite allows 15 % (bench/hostile.py measures the mean of 3
 runs against the issue's 5 %); unchecked, these attacks multiplied the loss by 1.3 to 230. A hostile part owner
-must also be barred (on its own receipt, or by two accusers), and the honest volunteers must never be accused.
+must also be barred (on its own receipt, or by two accusers), a member that pulls by the owners' receipts, and the
+honest volunteers must never be accused or reported.
 """
 
 from __future__ import annotations

@@ -377,48 +377,58 @@ class Averager:
         self._background(send())
 
     def _pulling(self, rnd: Round) -> None:
-        """Report the members whose copies point against the others' terms in this first phase and in the last
+        """Judge, in the background, whether any member's copy points against the others' terms in this first
+        phase (:meth:`_judge`)."""
+        self._background(self._judge(rnd))
+
+    async def _judge(self, rnd: Round) -> None:
+        """Report the members whose copies point against the others' terms in this round and in the last
         round this peer saw them in, by the receipts of the parts owned by neither this peer nor them
-        (protocol/receipts.py, :func:`alignment`)."""
-        a, n = rnd.assignment, len(rnd.members)
-        held = {part: (receipts.Receipt.parse(raw, n), owner, raw) for part, (owner, raw) in rnd.held.items()}
-        for index, member in enumerate(rnd.members.values()):
-            if member.peer_id == self.peer_id or member.weight <= 0:
-                continue
-            theirs = [(r, owner, raw) for part, (r, owner, raw) in held.items() if part != member.part]
-            if len(theirs) < receipts.PULL_PARTS:
-                continue
-            cos = receipts.alignment([(r, owner) for r, owner, _ in theirs], index, self.config.clip_multiple)
-            if cos is None:
-                continue
-            pulls = cos < receipts.pull_cos(self.config.local)
-            before = self._pulled.pop(member.peer_id, False)
-            self._pulled[member.peer_id] = pulls
+        (protocol/receipts.py, :func:`alignment`; computed in a thread: members × parts lines)."""
+        threshold = receipts.pull_cos(self.config.local)
+        for member, cos, raws in await asyncio.to_thread(self._alignments, rnd):
+            before = self._pulled.pop(member, False)
+            self._pulled[member] = cos < threshold
             while len(self._pulled) > MAX_PULL_MEMORY:
                 self._pulled.popitem(last=False)
-            if not (pulls and before):
+            if not (cos < threshold and before):
                 continue
             log.warning(
                 "round %s: member %s's copy points against the others' terms (cosine %.3f, by %d part owners' "
                 "receipts)",
                 rnd.key,
-                member.peer_id,
+                member,
                 cos,
-                len(theirs),
+                len(raws),
             )
-            self._background(self._report_pull(a, rnd.tag, member.peer_id, cos, [raw for *_, raw in theirs]))
+            outcome = None
+            if self.complainer is not None:
+                outcome = await self.complainer.of_member(rnd.assignment, rnd.tag, member, raws)
+            a = rnd.assignment
+            self.emit(
+                MemberPulling(
+                    round_id=a.round_id, step=a.step, member=member, alignment=cos, tracker=outcome or ""
+                )
+            )
 
-    async def _report_pull(
-        self, a: GroupAssignment, tag: str, member: str, cos: float, held: list[bytes]
-    ) -> None:
-        outcome = None
-        if self.complainer is not None:
-            outcome = await self.complainer.of_member(a, tag, member, held)
-        self.emit(
-            MemberPulling(
-                round_id=a.round_id, step=a.step, member=member, alignment=cos, tracker=outcome or ""
-            )
-        )
+    def _alignments(self, rnd: Round) -> list[tuple[str, float, list[bytes]]]:
+        """Each other member with a weight: its cosine with the others' terms, and the receipts it is from."""
+        n, clip = len(rnd.members), self.config.clip_multiple
+        held = {}
+        for part, (owner, raw) in rnd.held.items():
+            r = receipts.Receipt.parse(raw, n)
+            held[part] = (r, owner, raw, receipts.factors(r, owner, clip))
+        out = []
+        for index, member in enumerate(rnd.members.values()):
+            if member.peer_id == self.peer_id or member.weight <= 0:
+                continue
+            theirs = [h for part, h in held.items() if part != member.part]
+            if len(theirs) < receipts.PULL_PARTS:
+                continue
+            cos = receipts.alignment([(r, o) for r, o, *_ in theirs], index, clip, [f for *_, f in theirs])
+            if cos is not None:
+                out.append((member.peer_id, cos, [raw for _, _, raw, _ in theirs]))
+        return out
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` (a call to the tracker) in the background; :meth:`close` awaits it."""
