@@ -5,6 +5,7 @@ file and in memory; a new store adds itself to ``STORES`` and must pass all of i
 from __future__ import annotations
 
 import base64
+import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,7 +67,14 @@ def torrent() -> bytes:
 
 
 def test_it_is_a_run_store(store):
-    assert isinstance(store, RunStore)
+    """Every method of the RunStore protocol, with the protocol's parameters (names, kinds, defaults)."""
+    wanted = [n for n, v in vars(RunStore).items() if callable(v) and not n.startswith("_")]
+    assert len(wanted) >= 10, wanted
+    for name in wanted:
+        mine = inspect.signature(getattr(type(store), name))
+        spec = inspect.signature(getattr(RunStore, name))
+        shape = [(p.name, p.kind, p.default) for p in spec.parameters.values()]
+        assert [(p.name, p.kind, p.default) for p in mine.parameters.values()] == shape, (name, mine, spec)
 
 
 def test_meta_is_set_once_by_get_or_set_and_replaced_by_set(store):

@@ -112,7 +112,11 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 second = await browse(url, tmp_path / "profile", "--dump-dom")
                 assert int(field(second, "step")) > shown
                 assert points(second, "loss-line") > points(first, "loss-line")
-                assert field(second, "loss-label") != field(first, "loss-label") or second != first
+                # the chart's label: the lowest, highest and last loss of its points, in that order
+                label = re.fullmatch(r"min (\S+) · max (\S+) · last (\S+)", field(second, "loss-label"))
+                assert label, field(second, "loss-label")
+                lo, hi, last = map(float, label.groups())
+                assert lo <= last <= hi and lo < hi, label.group(0)
                 shot = tmp_path / "run-page.png"
                 await browse(url, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,1000")
                 image = shot.read_bytes()
