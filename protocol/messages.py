@@ -152,6 +152,13 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
         """Local-steps mode: inner optimizer steps, an outer step per global step."""
         return self.inner_steps > 1
 
+    def averages_params(self, step: int) -> bool:
+        """Whether the round of ``step`` averages the parameters too (every ``average_state_every`` steps;
+        never in local-steps mode: every peer ends an outer round with the same parameters). The one rule the
+        tracker's assignments and a catching-up volunteer's fetches both follow."""
+        every = 0 if self.local else self.average_state_every
+        return every > 0 and (step + 1) % every == 0
+
 
 class ChunkInfo(Message, frozen=True, kw_only=True):
     name: str

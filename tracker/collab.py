@@ -85,7 +85,6 @@ from crowdtrain.tracker.cuts import Cuts
 from crowdtrain.tracker.donors import Donors, Offer, StateRefused
 from crowdtrain.tracker.ledger import Ledger, Share
 from crowdtrain.tracker.matchmaking import Candidate, plan
-from crowdtrain.tracker.pulls import Pulls
 from crowdtrain.tracker.reach import Reach
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.spotchecks import SpotChecks
@@ -181,7 +180,6 @@ class RunState:
         self.cuts = Cuts(lambda owner, step: cut_asleep(self, owner, step))  # (tracker/cuts.py)
         self.checks = SpotChecks(spec, store)
         self.verdicts = Verdicts()  # (tracker/verdicts.py)
-        self.pulls = Pulls()  # (tracker/pulls.py)
         self.state_donors = Donors(self.run_id, self.rounds)
         self.peers: dict[str, Peer] = {}
         self.opened_at = time.time()

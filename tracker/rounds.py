@@ -62,9 +62,7 @@ def sign_round(
     """One assignment per group of each phase of the ready ``candidates`` (each phase its own deadline),
     all signed at once (one signature over their Merkle root), listed by member: a candidate's assignments,
     phase by phase."""
-    # (local steps: every peer ends an outer round with the same parameters; there is nothing to average)
-    every = 0 if averaging.local else averaging.average_state_every
-    average_params = every > 0 and (step + 1) % every == 0
+    average_params = averaging.averages_params(step)
     step_samples = sum(c.weight for c in candidates)
     by_upload = averaging.part_sizes == "upload"
     unsigned: list[GroupAssignment] = []

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment, RunSpec, SpotCheck, SpotCheckVerdict
+from crowdtrain.tracker.pulls import Pulls
 from crowdtrain.tracker.store import RunStore
 
 if TYPE_CHECKING:
@@ -76,6 +77,9 @@ class SpotChecks:
     _unanswered: dict[str, int] = field(default_factory=dict)  # key -> checks in a row it did not answer
     _barred: set[str] | None = None  # keys at REJECTIONS_TO_BAR rejections (read from the store once)...
     _proven: dict[str, str] = field(default_factory=dict)  # ...and those barred on proof, with why
+    pulls: Pulls = field(
+        default_factory=Pulls
+    )  # members reported pulling against the others (tracker/pulls.py)
 
     @property
     def enabled(self) -> bool:

@@ -326,10 +326,55 @@ class Volunteers:
         accused = next((m for m in a.members if m.peer_id == msg.member), None)
         if accused is None or accused.peer_id == msg.peer_id or accused.weight <= 0:
             raise ApiError(400, f"peer {msg.member} is no other member of round {a.round_id} with a weight")
+        held = self._pull_receipts(run, msg)
+        clip = run.spec.averaging.clip_multiple
+        if len(held) < receipts.PULL_PARTS:
+            raise ApiError(422, f"a pull is shown by the receipts of {receipts.PULL_PARTS} parts or more")
+        cos = receipts.alignment(list(held.values()), members.index(msg.member), clip)
+        threshold = receipts.pull_cos(run.spec.averaging.local)
+        if cos is None or cos >= threshold:
+            shown = "no cosine" if cos is None else f"a cosine of {cos:.3f}"
+            raise ApiError(
+                422,
+                f"the receipts give {msg.member}'s copy {shown} with the others' terms, not below {threshold}",
+            )
+        where = origin_of(request.remote)
+        reporter = where.address if where is not None else f"key {public_key}"
+        outcome: Literal["barred", "already barred", "counted"] = "counted"
+        if accused.public_key in run.checks.barred_keys():
+            outcome = "already barred"
+        elif run.checks.pulls.report(accused.public_key, a.step, reporter):
+            why = (
+                f"its copies pointed against the other members' in {run.checks.pulls.rounds(accused.public_key)} "
+                f"rounds within {PULL_WINDOW} steps (cosine {cos:.2f} at step {a.step}), as part owners' "
+                "signed receipts show"
+            )
+            run.checks.bar_on_proof(accused.public_key, why)
+            outcome = "barred"
+        log.warning(
+            "run %s: %s reports member %s of round %s pulling against the others (cosine %.3f): %s",
+            run.run_id,
+            msg.peer_id,
+            msg.member,
+            a.round_id,
+            cos,
+            outcome,
+        )
+        if outcome == "barred":
+            for peer in [p for p in run.peers.values() if p.public_key == accused.public_key]:
+                run.remove(peer.peer_id)
+            run.maybe_form(time.time())
+        return json_reply(PullReply(outcome=outcome, alignment=cos))
+
+    @staticmethod
+    def _pull_receipts(run: RunState, msg: PullReport) -> dict[int, tuple[receipts.Receipt, int]]:
+        """The report's receipts, by part (with the owner's index): each of a part owned by neither the
+        reporter nor the accused, signed by its owner and sound by its own arithmetic (else 422)."""
+        a = msg.assignment
+        members = [m.peer_id for m in a.members]
         owners = {m.part: m for m in a.members if m.part >= 0}
         uniform = all(m.weight == 0 for m in a.members)
         weights = [1.0 if uniform else float(m.weight) for m in a.members]
-        clip = run.spec.averaging.clip_multiple
         held: dict[int, tuple[receipts.Receipt, int]] = {}
         for raw in msg.receipts:
             try:
@@ -350,50 +395,14 @@ class Volunteers:
                 part=r.part,
                 owner=members.index(owner.peer_id),
                 weights=weights,
-                clip_multiple=clip,
+                clip_multiple=run.spec.averaging.clip_multiple,
                 codec=Codec.parse(run.spec.averaging.codec),
                 shared=False,
             )
             if finding is not None:
                 raise ApiError(422, f"part {r.part}'s receipt does not hold ({finding.why}): complain of it")
             held[r.part] = (r, members.index(owner.peer_id))
-        if len(held) < receipts.PULL_PARTS:
-            raise ApiError(422, f"a pull is shown by the receipts of {receipts.PULL_PARTS} parts or more")
-        cos = receipts.alignment(list(held.values()), members.index(msg.member), clip)
-        threshold = receipts.pull_cos(run.spec.averaging.local)
-        if cos is None or cos >= threshold:
-            shown = "no cosine" if cos is None else f"a cosine of {cos:.3f}"
-            raise ApiError(
-                422,
-                f"the receipts give {msg.member}'s copy {shown} with the others' terms, not below {threshold}",
-            )
-        where = origin_of(request.remote)
-        reporter = where.address if where is not None else f"key {public_key}"
-        outcome: Literal["barred", "already barred", "counted"] = "counted"
-        if accused.public_key in run.checks.barred_keys():
-            outcome = "already barred"
-        elif run.pulls.report(accused.public_key, a.step, reporter):
-            why = (
-                f"its copies pointed against the other members' in {run.pulls.rounds(accused.public_key)} "
-                f"rounds within {PULL_WINDOW} steps (cosine {cos:.2f} at step {a.step}), as part owners' "
-                "signed receipts show"
-            )
-            run.checks.bar_on_proof(accused.public_key, why)
-            outcome = "barred"
-        log.warning(
-            "run %s: %s reports member %s of round %s pulling against the others (cosine %.3f): %s",
-            run.run_id,
-            msg.peer_id,
-            msg.member,
-            a.round_id,
-            cos,
-            outcome,
-        )
-        if outcome == "barred":
-            for peer in [p for p in run.peers.values() if p.public_key == accused.public_key]:
-                run.remove(peer.peer_id)
-            run.maybe_form(time.time())
-        return json_reply(PullReply(outcome=outcome, alignment=cos))
+        return held
 
     async def verdicts(self, request: web.Request) -> web.Response:
         """A member's failed parts of a round; answered with every member's (tracker/verdicts.py)."""

@@ -221,7 +221,6 @@ class CatchUp:
         if run.delay or not run.summary.steps_done:
             return False
         size, spec = run.trainer.numel, run.spec.averaging
-        every = 0 if spec.local else spec.average_state_every
         for _ in range(2 * KEEP_STEPS):  # (the run moves on meanwhile; each pass fetches what it passed)
             missing = steps_to_fetch(run.pos.applied, run.pos.step, replay)
             if not missing:
@@ -244,7 +243,7 @@ class CatchUp:
                         f"no two of {len(donors)} peers sent the same average of step {s}"
                     )
                 params: np.ndarray | None = None
-                if every > 0 and (s + 1) % every == 0:
+                if spec.averages_params(s):
                     # (ABSENT: the step's parameter average was partial, and its members kept their own)
                     got = await fetch_average(donors, s, "params", size, run.key, run.credential)
                     if got is None:
@@ -310,7 +309,9 @@ class CatchUp:
 
     async def switch(self, conclude: Conclude) -> None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
-        with delay 1, once no round is under way), so this peer holds what the others hold."""
+        with delay 1, once the round under way is taken: awaited here, not waited for by the loop, since in a
+        run stepping faster than a round each step's close starts the next), so this peer holds what the
+        others hold."""
         run, task = self.run, self._pending
         if task is None:  # (called once a fetch is done: there is one)
             return

@@ -173,8 +173,6 @@ class Training:
             if cfg.max_steps is not None and run.pos.step >= cfg.max_steps:
                 break
             if self.catchup.fetched:
-                # (delay 1: the switch awaits the round under way itself; waiting here for a moment with no
-                # round under way starved it in a run stepping faster than a round: each close starts one)
                 await self.catchup.switch(self._conclude)
             if self.catchup.waiting is not None and self.catchup.active:
                 # no peer serves the run's state: nothing computed here would count (or be the run's)
