@@ -599,6 +599,9 @@ class RoundVerdicts(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     failed: list[int]  # the union of the members' failed parts
     reported: int  # members that had reported when it was given
+    # this member's failed parts that other members were told to apply (its report came after the union was
+    # given out): its mean is not theirs, so it takes the run's state instead
+    late: list[int] = []
 
 
 # ---------------------------------------------------------------- state directory

@@ -7,8 +7,10 @@ the union of every member's, once all have reported or :data:`WAIT_S` after the 
 applies the same parts (the others are zeroed in a first phase, fetched as a state in a later one), so a forged
 answer that only some members can see through splits no one.
 
-A member that reports after the union was given out still gets the union as it stands (its own parts in it) and
-the others do not learn of its parts: it is then alone in what it zeroes, as it was before verdicts existed.
+A member that reports after the union was given out (it was still waiting on an owner that died, say) still
+gets the union as it stands (its own parts in it), and the others do not learn of its parts: those of its
+failed parts the union given out did not hold come back as ``late``, and that member does not apply the round
+(its mean would not be theirs): it fetches the run's state, and every member holds the same bytes again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class _Round:
     reported: set[str] = field(default_factory=set)
     first_at: float = 0.0
     all_in: asyncio.Event = field(default_factory=asyncio.Event)
+    given: frozenset[int] | None = None  # the union as first given out
 
 
 @dataclass(slots=True)
@@ -39,9 +42,10 @@ class Verdicts:
 
     async def report(
         self, key: str, members: frozenset[str], peer: str, failed: list[int]
-    ) -> tuple[list[int], int]:
-        """Record ``peer``'s failed parts of round ``key`` and return the union of every member's (and how
-        many reported) once every member reported or WAIT_S after the first report."""
+    ) -> tuple[list[int], int, list[int]]:
+        """Record ``peer``'s failed parts of round ``key`` and return the union of every member's, how many
+        reported, and those of ``peer``'s parts that others were told to apply (its report came late), once
+        every member reported or WAIT_S after the first report."""
         board = self.rounds.get(key)
         if board is None:
             board = self.rounds[key] = _Round(members, first_at=time.monotonic())
@@ -57,4 +61,6 @@ class Verdicts:
                 await asyncio.wait_for(board.all_in.wait(), left)
             except TimeoutError:
                 pass
-        return sorted(board.failed), len(board.reported)
+        if board.given is None:
+            board.given = frozenset(board.failed)
+        return sorted(board.failed), len(board.reported), sorted(set(failed) - board.given)

@@ -412,10 +412,10 @@ class Volunteers:
         if any(p >= a.parts for p in msg.failed):
             raise ApiError(400, f"round {a.round_id} has {a.parts} parts")
         members = frozenset(m.peer_id for m in a.members)
-        failed, reported = await run.verdicts.report(
+        failed, reported, late = await run.verdicts.report(
             f"{a.round_id}/{msg.tag}", members, msg.peer_id, msg.failed
         )
-        return json_reply(RoundVerdicts(failed=failed, reported=reported))
+        return json_reply(RoundVerdicts(failed=failed, reported=reported, late=late))
 
     async def donors(self, request: web.Request) -> web.Response:
         """The state donors; ``?without=PEER``: that peer's snapshots are not counted (a peer catching up

@@ -309,9 +309,8 @@ class CatchUp:
 
     async def switch(self, conclude: Conclude) -> None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
-        with delay 1, once the round under way is taken: awaited here, not waited for by the loop, since in a
-        run stepping faster than a round each step's close starts the next), so this peer holds what the
-        others hold."""
+        with delay 1, once no round is under way: :meth:`Rounds.settle`), so this peer holds what the others
+        hold."""
         run, task = self.run, self._pending
         if task is None:  # (called once a fetch is done: there is one)
             return

@@ -172,7 +172,7 @@ class Training:
                 raise self.data.error
             if cfg.max_steps is not None and run.pos.step >= cfg.max_steps:
                 break
-            if self.catchup.fetched:
+            if self.catchup.fetched and self.rounds.settled():
                 await self.catchup.switch(self._conclude)
             if self.catchup.waiting is not None and self.catchup.active:
                 # no peer serves the run's state: nothing computed here would count (or be the run's)
@@ -205,12 +205,14 @@ class Training:
         # the run's, nothing counts): it only takes part in its group's rounds, with weight 0.
         idle = self.catchup.active and self.meter.samples_per_s > 0
         if not self.data.sampler.ready or self.run.config.backbone or idle:
+            if self.catchup.fetched:  # (delay 1: switch once the round under way ends, before the next close)
+                return await self.rounds.settle()
             await wait_at_most(link.changed, 0.1)
             link.changed.clear()
         elif quota is None or trainer.samples < quota:
             self._at_quota = False
             await self._compute(quota)
-        elif self._may_take_early(quota):
+        elif self.rounds.may_take_early(quota, self.link, self.catchup.active):
             # delay 1: its share is computed; take it, apply the previous step's average and compute the
             # next step's micro-batches on those parameters while the others finish this step
             early = await self.rounds.hand_over(False, self._conclude)
@@ -294,23 +296,6 @@ class Training:
             accumulated=run.trainer.samples,
             early=early.weight if early is not None else None,
             silent_s=2 * run.heartbeat_interval,
-        )
-
-    def _may_take_early(self, quota: int) -> bool:
-        """Delay 1, its share of the step computed, the previous round done: the step's gradient can be
-        taken now and the next step's computed ahead (the parameters it needs are known)."""
-        run = self.run
-        max_steps = run.config.max_steps
-        return (
-            bool(run.delay)
-            and self.rounds.early is None
-            and not self.catchup.active
-            and run.trainer.samples > 0
-            and self.link.allotment.ahead_cap(quota) > 0
-            and self.rounds.settled()
-            and not self.link.notice
-            # the run's last step for this peer: nothing comes after it to compute ahead for
-            and (max_steps is None or run.pos.step + 1 < max_steps)
         )
 
     def _computed_ahead(self) -> int:

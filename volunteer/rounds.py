@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.spotcheck import Checker
 from crowdtrain.volunteer.trainer import all_finite
+
+if TYPE_CHECKING:
+    from crowdtrain.volunteer.link import TrackerLink
 
 
 @dataclass(slots=True)
@@ -91,6 +95,31 @@ class Rounds:
 
     def settled(self) -> bool:
         return self._task is None or self._task.done()
+
+    def may_take_early(self, quota: int, link: TrackerLink, catching_up: bool) -> bool:
+        """Delay 1, its share of the step computed, the previous round done: the step's gradient can be
+        taken now and the next step's computed ahead (the parameters it needs are known)."""
+        run = self.run
+        max_steps = run.config.max_steps
+        return (
+            bool(run.delay)
+            and self.early is None
+            and not catching_up
+            and run.trainer.samples > 0
+            and link.allotment.ahead_cap(quota) > 0
+            and self.settled()
+            and not link.notice
+            # the run's last step for this peer: nothing comes after it to compute ahead for
+            and (max_steps is None or run.pos.step + 1 < max_steps)
+        )
+
+    async def settle(self) -> bool:
+        """Wait until the round under way (delay 1) has ended, leaving it to be taken; False (for the loop: look
+        at nothing else this turn). A run stepping faster than a round starts one at each close: a volunteer
+        that fetched the state waits for this moment to switch to it, or it would never come."""
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task})
+        return False
 
     @property
     def under_way(self) -> bool:
@@ -284,6 +313,11 @@ class Rounds:
                 exc,
             )
             return list(mine)
+        if reply.late:
+            raise AveragingError(
+                f"parts {reply.late} of round {a.round_id} failed here after the other members were told to "
+                "apply them: this peer's mean is not theirs"
+            )
         others = sorted(set(reply.failed) - set(mine))
         if others:
             run.note(

@@ -62,14 +62,12 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
-from crowdtrain.protocol import receipts
 from crowdtrain.protocol.credentials import SigningKey, verify_assignment
 from crowdtrain.protocol.errors import AuthError, AveragingError
 from crowdtrain.protocol.messages import Credential, GroupAssignment, GroupMember
@@ -79,15 +77,15 @@ from crowdtrain.volunteer.averaging.complaints import Complainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.cutting import Cutter, Referee
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
+from crowdtrain.volunteer.averaging.pulls import PullJudge
 from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder, KeptPart
-from crowdtrain.volunteer.events import AnswerRefused, Emit, MemberPulling, RoundDone, RoundFailed, no_emit
+from crowdtrain.volunteer.events import AnswerRefused, Emit, RoundDone, RoundFailed, no_emit
 
 log = logging.getLogger(__name__)
 
-MAX_PULL_MEMORY = 4096  # members whose last alignment is remembered
 
 AWAKE_ROUTE = "/v1/awake"  # answers whenever this peer's loop runs: asked before a vote to cut it
 
@@ -125,9 +123,7 @@ class Averager:
         self.emit = emit
         self.complainer = complainer
         self._complaints: set[asyncio.Task[None]] = set()
-        # member → whether its copy pulled against the others in the last round this peer saw it in (a member
-        # is reported from its second such round in a row: one round of noisy gradients says too little)
-        self._pulled: OrderedDict[str, bool] = OrderedDict()
+        self.pulls = PullJudge(peer_id, self.config)
         self._coder = Coder(self.config)  # one coder for both sides
         self.owner = Owner(
             run_id=run_id,
@@ -377,58 +373,9 @@ class Averager:
         self._background(send())
 
     def _pulling(self, rnd: Round) -> None:
-        """Judge, in the background, whether any member's copy points against the others' terms in this first
-        phase (:meth:`_judge`)."""
-        self._background(self._judge(rnd))
-
-    async def _judge(self, rnd: Round) -> None:
-        """Report the members whose copies point against the others' terms in this round and in the last
-        round this peer saw them in, by the receipts of the parts owned by neither this peer nor them
-        (protocol/receipts.py, :func:`alignment`; computed in a thread: members × parts lines)."""
-        threshold = receipts.pull_cos(self.config.local)
-        for member, cos, raws in await asyncio.to_thread(self._alignments, rnd):
-            before = self._pulled.pop(member, False)
-            self._pulled[member] = cos < threshold
-            while len(self._pulled) > MAX_PULL_MEMORY:
-                self._pulled.popitem(last=False)
-            if not (cos < threshold and before):
-                continue
-            log.warning(
-                "round %s: member %s's copy points against the others' terms (cosine %.3f, by %d part owners' "
-                "receipts)",
-                rnd.key,
-                member,
-                cos,
-                len(raws),
-            )
-            outcome = None
-            if self.complainer is not None:
-                outcome = await self.complainer.of_member(rnd.assignment, rnd.tag, member, raws)
-            a = rnd.assignment
-            self.emit(
-                MemberPulling(
-                    round_id=a.round_id, step=a.step, member=member, alignment=cos, tracker=outcome or ""
-                )
-            )
-
-    def _alignments(self, rnd: Round) -> list[tuple[str, float, list[bytes]]]:
-        """Each other member with a weight: its cosine with the others' terms, and the receipts it is from."""
-        n, clip = len(rnd.members), self.config.clip_multiple
-        held = {}
-        for part, (owner, raw) in rnd.held.items():
-            r = receipts.Receipt.parse(raw, n)
-            held[part] = (r, owner, raw, receipts.factors(r, owner, clip))
-        out = []
-        for index, member in enumerate(rnd.members.values()):
-            if member.peer_id == self.peer_id or member.weight <= 0:
-                continue
-            theirs = [h for part, h in held.items() if part != member.part]
-            if len(theirs) < receipts.PULL_PARTS:
-                continue
-            cos = receipts.alignment([(r, o) for r, o, *_ in theirs], index, clip, [f for *_, f in theirs])
-            if cos is not None:
-                out.append((member.peer_id, cos, [raw for _, _, raw, _ in theirs]))
-        return out
+        """Judge, in the background, whether a member's copy points against the others' terms in this first
+        phase (:class:`~crowdtrain.volunteer.averaging.pulls.PullJudge`)."""
+        self._background(self.pulls.judge(rnd, self.complainer, self.emit))
 
     def _background(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` (a call to the tracker) in the background; :meth:`close` awaits it."""
