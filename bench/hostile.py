@@ -55,6 +55,8 @@ async def main(args: argparse.Namespace) -> list[dict]:
                     "barred": sum(r["hostile_barred"] for r in runs),
                     "identical": sum(r["honest_identical"] for r in runs),
                     "accused_honest": sum(len(r["accused_honest"]) for r in runs),
+                    "pulls": sum(r["pulls_reported"] for r in runs),
+                    "pulls_of_honest": sum(len(r["pulls_of_honest"]) for r in runs),
                     "runs": len(runs),
                 }
             )
@@ -70,7 +72,8 @@ def _line(row: dict, rows: list[dict]) -> str:
         f"{row['mode']:<12} {row['role']:<22} loss {row['honest_loss']:7.3f} ({ratio:5.3f}× clean) "
         f"{row['losses']}  steps {row['steps']:>3}  {row['bytes_per_step'] / 1e3:6.1f} kB/step  "
         f"{row['wall_s']:5.1f} s  refused {row['refused']} (proven {row['proven']})  "
-        f"barred {row['barred']}/{n}  identical {row['identical']}/{n}  honest accused {row['accused_honest']}"
+        f"barred {row['barred']}/{n}  identical {row['identical']}/{n}  honest accused {row['accused_honest']}  "
+        f"pulls reported {row['pulls']} (of honest {row['pulls_of_honest']})"
     )
 
 

@@ -25,6 +25,7 @@ its constant outer_lr.
     .venv/bin/python bench/lowcomm.py --configs 1:int8,30:int2:0.7:0.9:128      # ...:inner_batch_size
     .venv/bin/python bench/lowcomm.py --tokens 1966080 --schedule cosine --configs 1:int8,30:int2
     .venv/bin/python bench/lowcomm.py --schedule cosine --warmup-steps 10       # linear warm-up, then cosine
+    .venv/bin/python bench/lowcomm.py --quick --configs 1:int8,10:int8 --clip 5  # what the default clip of 1 costs
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,
@@ -97,6 +98,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per volunteer; default cores / N")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one configuration may take")
     ap.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    ap.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="every row's [averaging] clip_multiple (default: the run spec's, 1)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.tokens = 200_000
@@ -135,6 +142,8 @@ async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args,
         averaging["inner_batch_size"] = INNER_BATCH if outer is None or len(outer) < 3 else int(outer[2])
     if outer is not None:
         averaging["outer_lr"], averaging["outer_momentum"] = outer[:2]
+    if args.clip is not None:
+        averaging["clip_multiple"] = args.clip
     create = await asyncio.to_thread(
         build_run_create, data, name=f"lowcomm H={h} {codec}", model={"recipe": "tiny-gpt", "args": margs},
         target_batch_size=TARGET, micro_batch_size=MICRO, optimizer={"name": "adamw", "lr": 1e-3},
