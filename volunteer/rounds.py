@@ -271,13 +271,18 @@ class Rounds:
             phase_tag = round_tag(tag, a.phase)
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
             # every member applies the same parts: those any member could not apply, none does
-            lost = await self._agreed_failures(a, phase_tag, result.failed_parts)
+            lost, told_late = await self._agreed_failures(a, phase_tag, result.failed_parts)
             if result.late:
                 # (the others averaged without my copy of those parts, or zeroed the part I own because the
                 # group cut me: what I would apply is not what they apply)
                 raise AveragingError(
                     f"this peer was left out of phase {a.phase + 1} of {a.phases} (it was asleep or too slow: "
                     "its copies came after their owners closed, or the group cut it)"
+                )
+            if told_late:
+                raise AveragingError(
+                    f"parts {told_late} of phase {a.phase + 1} of {a.phases} failed here after the other members "
+                    "were told to apply them: this peer's mean is not theirs"
                 )
             if lost and a.phase > 0:
                 # (the other columns of this phase reduced those parts: zeroing them here would leave this
@@ -294,13 +299,15 @@ class Rounds:
             values = result.values
         return values, failed
 
-    async def _agreed_failures(self, a: GroupAssignment, tag: str, mine: tuple[int, ...]) -> list[int]:
+    async def _agreed_failures(
+        self, a: GroupAssignment, tag: str, mine: tuple[int, ...]
+    ) -> tuple[list[int], list[int]]:
         """The parts of round ``a`` that some member could not apply (tracker/verdicts.py): mine, reported,
-        and every other member's. Alone in its group, or when the tracker does not answer, a peer goes by
-        its own."""
+        and every other member's; and those of mine the others were told to apply (reported too late). Alone
+        in its group, or when the tracker does not answer, a peer goes by its own."""
         run = self.run
         if len(a.members) < 2:
-            return list(mine)
+            return list(mine), []
         verdict = RoundVerdict(peer_id=run.peer_id, assignment=a, tag=tag, failed=list(mine))
         try:
             reply = await run.tracker.verdicts(run.config.run_id, verdict, run.key, run.credential)
@@ -312,12 +319,7 @@ class Rounds:
                 tag,
                 exc,
             )
-            return list(mine)
-        if reply.late:
-            raise AveragingError(
-                f"parts {reply.late} of round {a.round_id} failed here after the other members were told to "
-                "apply them: this peer's mean is not theirs"
-            )
+            return list(mine), []
         others = sorted(set(reply.failed) - set(mine))
         if others:
             run.note(
@@ -326,7 +328,7 @@ class Rounds:
                 a.round_id,
                 others,
             )
-        return sorted(set(reply.failed) | set(mine))
+        return sorted(set(reply.failed) | set(mine)), list(reply.late)
 
     async def average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
         """Average parameters over the step's peers, in the same phases and with the same weights as the
