@@ -422,6 +422,8 @@ async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(adm
         # two peers serve state, but no version is backed by both: none is listed, and the reason says so
         assert donors.state is None and donors.serving == 2 and donors.donors == []
         assert "agree on none yet" in donors.reason
+        # ... and what each step's snapshots are held by: here snapshots on different steps
+        assert "held: step 2: 1 peer, step 1: 1 peer" in donors.reason
         # ... and the run's status says its donors disagree (newcomers wait: issue 47)
         notice = (await admin.status(run_id)).notice
         assert notice is not None and "the 2 peers serving the run's state disagree on it" in notice
