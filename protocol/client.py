@@ -10,6 +10,7 @@ import asyncio
 import base64
 import hashlib
 import io
+import time
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote, quote_from_bytes, urlsplit
@@ -59,6 +60,8 @@ from crowdtrain.protocol.peerauth import sign_headers, sign_session_headers
 M = TypeVar("M", bound=Message)
 API = "/api/v1"
 _STREAM_ABOVE = 1 << 20
+# a later phase's verdicts are waited for up to the round's deadline (plus a margin), never longer than this
+MAX_VERDICT_WAIT_S = 300.0
 
 
 class TrackerClient:
@@ -337,10 +340,14 @@ class TrackerClient:
         self, run_id: str, verdict: RoundVerdict, key: SigningKey, credential: Credential
     ) -> RoundVerdicts:
         """Report the parts of a round this peer could not apply; every member's, once they reported (the
-        tracker answers within 2 s: a slower answer is not waited for past 5 s, the round goes on without)."""
-        data = await self._signed(
-            run_id, "verdicts", verdict, key, credential, timeout_s=min(self.timeout_s, 5.0)
-        )
+        tracker answers within 2 s: a slower answer is not waited for past 5 s, the round goes on without; in
+        a later phase it waits for the cluster's columns up to the round's deadline, and 2 s more)."""
+        timeout_s = min(self.timeout_s, 5.0)
+        if verdict.assignment.phase > 0:
+            timeout_s = min(
+                max(timeout_s, verdict.assignment.deadline - time.time() + 5.0), MAX_VERDICT_WAIT_S
+            )
+        data = await self._signed(run_id, "verdicts", verdict, key, credential, timeout_s=timeout_s)
         return self._decode(data, RoundVerdicts)
 
     async def spot_check(

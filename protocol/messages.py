@@ -433,6 +433,9 @@ class GroupAssignment(Message, frozen=True, kw_only=True):
     seed: int  # the seed the tracker drew this partition with (recorded in the step history)
     phase: int = 0  # which phase of the step's all-reduce (tracker/matchmaking.py: plan)
     phases: int = 1  # how many phases the step's all-reduce has: after the last, everyone holds one mean
+    # in a later phase, the cluster whose columns this group is one of (tracker/matchmaking.py): a part that
+    # fails in one column is left out by every column of the cluster (tracker/verdicts.py)
+    cluster: int = 0
     step_samples: int = 0  # the samples of every ready peer of the step: what the mean stands for
     # hex, the tracker's Ed25519 signature over the root of the step's assignments (protocol/credentials.py)
     signature: str
@@ -593,6 +596,17 @@ class RoundVerdict(Message, frozen=True, kw_only=True):
     assignment: GroupAssignment  # the round, as the tracker signed it
     tag: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,200}$")]
     failed: Annotated[list[Annotated[int, Meta(ge=0, le=255)]], Meta(max_length=256)]
+    # a parameter round's later phase: this member's input is not the mean (it lost a part before)
+    spoiled: bool = False
+
+
+class ColumnParts(Message, frozen=True, kw_only=True):
+    """Another column's failed parts, with how that column cuts the vector (``parts``, ``part_weights``: as
+    in its :class:`GroupAssignment`), so a member can zero the same values."""
+
+    parts: int
+    part_weights: list[int] = []
+    failed: list[int]
 
 
 class RoundVerdicts(Message, frozen=True, kw_only=True):
@@ -602,6 +616,11 @@ class RoundVerdicts(Message, frozen=True, kw_only=True):
     # this member's failed parts that other members were told to apply (its report came after the union was
     # given out): its mean is not theirs, so it takes the run's state instead
     late: list[int] = []
+    # a later phase: the other columns of the cluster that lost parts; every member zeroes those values too
+    elsewhere: list[ColumnParts] = []
+    spoiled: bool = (
+        False  # a member's input to a parameter round was not the mean: every member keeps its own
+    )
 
 
 # ---------------------------------------------------------------- state directory
@@ -629,7 +648,9 @@ class DonorList(Message, frozen=True, kw_only=True):
     version: Version = VERSION
     state: StateVersion | None
     donors: list[Donor]
-    serving: int = 0  # peers serving some state of the run, listed or not
+    # peers serving some state of the run, listed or not, that train (a weight in its newest steps; all of
+    # them when none does): how many must agree on a state (at most 2) is counted among these
+    serving: int = 0
     # when ``state`` is None although ``serving`` > 0: why none is listed (wait and ask again)
     reason: str | None = None
     # the other reachable peers serving some state of the run, newest state first: a peer that missed a few

@@ -18,10 +18,12 @@ import pytest
 
 from crowdtrain.protocol.codecs import Codec
 from crowdtrain.protocol.credentials import sign_assignment
+from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember, round_tag
 from crowdtrain.tracker.matchmaking import Candidate, plan
+from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
-from tests.harness import Recorder, published_run, volunteers
+from tests.harness import Recorder, published_run, until, volunteers
 from tests.test_allreduce import RUN, TRACKER, Peer, start_peers, weighted_mean
 
 GROUP = 4
@@ -166,3 +168,48 @@ async def test_every_volunteer_holds_the_same_state_after_every_step(
         assert len(held) == n, f"step {step}: only {len(held)} of {n} volunteers recorded their state"
         distinct = len(set(held))
         assert distinct == 1, f"step {step}: the {n} volunteers hold {distinct} different states"
+
+
+@pytest.mark.timeout(300)
+async def test_a_member_lost_in_a_later_phase_leaves_the_others_one_mean_and_no_one_fetches(tmp_path):
+    """Issue 47 (the churn soak): a member that leaves during a later phase takes its column's parts with it
+    (a later phase needs every weighted member's copy), while the cluster's other column completes. Every
+    member of the lost column used to fail the round and fetch the state; when that left no two donors agreeing,
+    the run stood still for minutes. Now the tracker tells every column of the cluster which slices were lost
+    and all zero them: the survivors apply one mean, none of them fails the round, and they hold the same
+    bytes at every step; the member that left fetches the state and holds them again."""
+    n, lost, steps = 5, 3, 7
+    async with published_run(
+        tmp_path,
+        target_batch_size=16 * n,
+        micro_batch_size=8,
+        averaging={"group_size": GROUP, "round_timeout_s": 4.0, "gather_s": 1.0},
+    ) as run:
+        recs = [Recorder() for _ in range(n)]
+        events: list[list[ev.Event]] = [[] for _ in range(n)]
+        vols = volunteers(
+            run, tmp_path, n, seed=11, record=recs, emit=[e.append for e in events], max_steps=steps
+        )
+        tasks = [asyncio.create_task(v.run()) for v in vols]
+        await until(lambda: vols[0]._run is not None, 60, "the first volunteer joined", watching=tasks)
+        allreduce = vols[0]._run.averager.allreduce
+
+        async def leaving(assignment, vector, weight, *, tag="grad", **kw):
+            if assignment.step == lost and assignment.phase == 1:  # the fault: gone from the later phase
+                raise AveragingError(f"the test's fault: volunteer 0 left phase 2 of step {lost}")
+            return await allreduce(assignment, vector, weight, tag=tag, **kw)
+
+        vols[0]._run.averager.allreduce = leaving
+        summaries = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+    assert all(s.steps_done >= steps - 2 for s in summaries), [s.steps_done for s in summaries]
+    said = [[e.message for e in seen if isinstance(e, ev.LogLine)] for seen in events]
+    # the fault happened where it matters: a survivor zeroed slices another column lost
+    assert any("other columns of its cluster lost parts" in m for seen in said[1:] for m in seen), said[1:]
+    failed = [m for seen in said[1:] for m in seen if f"round of step {lost} failed" in m]
+    assert not failed, failed  # no survivor failed the round (none fetched the state)
+    assert any(f"round of step {lost} failed" in m for m in said[0]), said[0]  # (the one that left did)
+    for step in range(1, steps + 1):
+        held = {rec.params[step].tobytes() for rec in recs[1:] if step in rec.params}
+        assert len(held) == 1, f"step {step}: the survivors hold {len(held)} different states"
+    final = {rec.params[max(rec.params)].tobytes() for rec in recs if max(rec.params) == steps}
+    assert len(final) == 1

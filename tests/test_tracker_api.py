@@ -466,6 +466,33 @@ async def test_donors_are_of_the_newest_version_two_peers_back_with_no_rival(adm
         assert donors.state.step == 2 and [d.peer_id for d in donors.donors] == [vb.peer_id]
 
 
+async def test_a_peer_catching_up_with_an_older_state_does_not_hold_back_the_training_peers_state(
+    admin, run_id
+):
+    """Issue 47's churn soak: the one training peer served the run's state beside a rejoined peer's kept one (of
+    an older step, held by no one else); two serving peers needed two backers, so nothing was listed for
+    minutes. Only peers that train (a weight in the newest steps) count toward how many must agree."""
+    async with PingServer() as a, PingServer() as b, PingServer() as c:
+        va, vb, vc = vols = await reachable_volunteers(admin, run_id, (a, b, c))
+        for step in range(3):  # a and b train; c takes part with weight 0 (it is catching up)
+            for v, samples in zip(vols, (60, 60, 0), strict=True):
+                await v.heartbeat(step, samples)
+            await asyncio.gather(*(v.ready(step, w) for v, w in zip(vols, (60, 60, 0), strict=True)))
+        await vc.declare_state(1, "ee" * 32, 10)  # the state c kept (it took part in step 0)
+        await va.declare_state(3, "dd" * 32, 10)
+        donors = await admin.donors(run_id)
+        assert donors.serving == 1 and (donors.state.step, donors.state.content_hash) == (3, "dd" * 32)
+        assert [d.peer_id for d in donors.donors] == [va.peer_id]
+        # a second training peer serving state: two must agree again
+        await vb.declare_state(3, "ff" * 32, 10)
+        donors = await admin.donors(run_id)
+        assert donors.serving == 2 and donors.state is None and "held: step 3: 1+1 peers" in donors.reason
+        await vb.declare_state(3, "dd" * 32, 10)
+        donors = await admin.donors(run_id)
+        assert donors.state.content_hash == "dd" * 32
+        assert sorted(d.peer_id for d in donors.donors) == sorted([va.peer_id, vb.peer_id])
+
+
 async def test_state_of_a_step_a_peer_skipped_is_refused_and_repeated_refusals_drop_the_donor(admin, run_id):
     async with PingServer() as a, PingServer() as b:
         (va,) = await reachable_volunteers(admin, run_id, (a,))

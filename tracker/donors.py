@@ -6,6 +6,8 @@
 * A declaration refused :data:`DONOR_STRIKES` times drops its peer from the donors for good.
 * The donor list names the newest step at which one content hash is held by more reachable peers than any
   other hash of that step, and by at least :data:`MIN_BACKERS` of them (or by the only one serving state).
+  Only peers that train (a weight in one of the newest formed steps) count toward that: a peer catching up
+  serves an older state no one else holds, and must not hold the training peers' state back.
 * The run's status says when the run has stepped but no online peer serves its state, or when the peers that
   serve it disagree so that none can be listed (:meth:`Donors.notice`).
 """
@@ -144,16 +146,22 @@ class Donors:
         MIN_BACKERS of them — or by the only one, when just one peer serves state. A newcomer fetches from
         all of the listed donors at once, and checks every range against the hash."""
         backers: dict[StateVersion, list[Peer]] = {}
-        serving = 0
+        serving = training = 0
         for p in peers:
             if not p.offer.states or p.offer.dropped or not p.reach.owns_part:
                 continue
             serving += 1
+            training += self.rounds.contributed(p.peer_id) is not False
             for v in p.offer.states:
                 if v.step <= global_step:
                     backers.setdefault(v, []).append(p)
         if not serving:
             return DonorList(state=None, donors=[])
+        # Only peers that train count toward how many must agree: one catching up (or waiting) still serves
+        # the older state it held, which no one else holds any more, and it must not hold the others' back
+        # (issue 47's churn soak: the one training peer's state went unlisted for minutes beside a rejoined
+        # peer's kept one). With no training peer among them (the run stalled) all of them count.
+        serving = training or serving
         need = min(MIN_BACKERS, serving)
         by_step: dict[int, list[tuple[StateVersion, list[Peer]]]] = {}
         for version, held_by in backers.items():

@@ -50,6 +50,9 @@ class Group:
     members: tuple[str, ...]
     owners: tuple[str, ...]  # members that own a part, part i = owners[i]
     weights: tuple[int, ...] = ()  # each member's weight in this phase's mean, aligned with ``members``
+    # in a later phase: which of the phase's clusters this column averages (its columns give one mean, so
+    # a part that fails in one must be left out by all: tracker/verdicts.py)
+    cluster: int = 0
 
 
 @dataclass(slots=True)
@@ -117,17 +120,17 @@ def plan(candidates: list[Candidate], group_size: int, seed: int) -> list[list[G
         clusters = [order[r::k] for r in range(k)]
         groups: list[Group] = []
         nodes = []
-        for cluster in clusters:
+        for index, cluster in enumerate(clusters):
             merged = _Node([p for n in cluster for p in n.owners], [p for n in cluster for p in n.others], 0)
             merged.weight = sum(n.weight for n in cluster)
             nodes.append(merged)
             if len(cluster) > 1:  # a lone node's members hold the same values already: they sit it out
-                groups.extend(_columns(cluster))
+                groups.extend(_columns(cluster, index))
         phases.append(groups)
     return phases
 
 
-def _columns(cluster: list[_Node]) -> list[Group]:
+def _columns(cluster: list[_Node], index: int) -> list[Group]:
     """Deal each node's members over the columns so every column holds ≥ 1 member of every node (and a
     part owner, with fewer columns if owners are scarce); weights as in the module docstring, scaled to
     whole numbers."""
@@ -160,6 +163,7 @@ def _columns(cluster: list[_Node]) -> list[Group]:
                 tuple(p for p, _, _ in col),
                 tuple(p for p, _, owns in col if owns),
                 tuple(cluster[ni].weight * scale // counts[ni] for _, ni, _ in col),
+                index,
             )
         )
     return groups

@@ -47,6 +47,33 @@ class Rounds:
     def took_part(self, step: int, peer_id: str) -> bool:
         return peer_id in self._formed.get(step, {})
 
+    def contributed(self, peer_id: str) -> bool | None:
+        """Whether the peer took part with a weight (it is training, not catching up) in any kept step; None
+        when no step is kept (nothing is known)."""
+        if not self._formed:
+            return None
+        for formed in self._formed.values():
+            for a in formed.get(peer_id, [])[:1]:
+                if any(m.peer_id == peer_id and m.weight > 0 for m in a.members):
+                    return True
+        return False
+
+    def columns(self, a: GroupAssignment) -> list[GroupAssignment]:
+        """The groups that make one mean with ``a``: in a later phase every column of its cluster (by round
+        id), in the first phase ``a`` alone; [] when its step is no longer kept."""
+        formed = self._formed.get(a.step)
+        if formed is None:
+            return []
+        if a.phase == 0:
+            return [a]
+        found: dict[str, GroupAssignment] = {}
+        for assignments in formed.values():
+            if len(assignments) > a.phase:
+                b = assignments[a.phase]
+                if b.cluster == a.cluster:
+                    found.setdefault(b.round_id, b)
+        return list(found.values())
+
 
 def sign_round(
     signer: SigningKey,
@@ -84,6 +111,7 @@ def sign_round(
                     seed=seed,
                     phase=phase,
                     phases=len(phases),
+                    cluster=group.cluster,
                     step_samples=step_samples,
                     signature="",
                 )

@@ -21,6 +21,7 @@ from crowdtrain.protocol.errors import AuthError, ProtocolError
 from crowdtrain.protocol.messages import (
     MAX_INT,
     PEER_PROTOCOL,
+    ColumnParts,
     Complaint,
     ComplaintReply,
     CutCall,
@@ -411,11 +412,32 @@ class Volunteers:
         self._member_round(run, a, msg.peer_id, public_key, msg.tag)
         if any(p >= a.parts for p in msg.failed):
             raise ApiError(400, f"round {a.round_id} has {a.parts} parts")
-        members = frozenset(m.peer_id for m in a.members)
-        failed, reported, late = await run.verdicts.report(
-            f"{a.round_id}/{msg.tag}", members, msg.peer_id, msg.failed
+        # (a later phase: one board for the cluster's columns, which make one mean; tracker/verdicts.py)
+        columns = {b.round_id: b for b in run.rounds.columns(a)} or {a.round_id: a}
+        key = a.round_id if a.phase == 0 else f"{a.run_id}.{a.step}.{a.phase}.c{a.cluster}.{a.seed:016x}"
+        told = await run.verdicts.report(
+            f"{key}/{msg.tag}",
+            frozenset(m.peer_id for b in columns.values() for m in b.members),
+            msg.peer_id,
+            msg.failed,
+            column=a.round_id,
+            spoiled=msg.spoiled,
+            deadline=a.deadline if a.phase > 0 else 0.0,
         )
-        return json_reply(RoundVerdicts(failed=failed, reported=reported, late=late))
+        elsewhere = [
+            ColumnParts(parts=columns[c].parts, part_weights=columns[c].part_weights, failed=parts)
+            for c, parts in told.elsewhere.items()
+            if c in columns
+        ]
+        return json_reply(
+            RoundVerdicts(
+                failed=told.failed,
+                reported=told.reported,
+                late=told.late,
+                elsewhere=elsewhere,
+                spoiled=told.spoiled,
+            )
+        )
 
     async def donors(self, request: web.Request) -> web.Response:
         """The state donors; ``?without=PEER``: that peer's snapshots are not counted (a peer catching up

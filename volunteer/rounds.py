@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 from crowdtrain.protocol.errors import AveragingError, CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment, RoundVerdict, SpotCheck, round_tag
 from crowdtrain.volunteer import events as ev
+from crowdtrain.volunteer.averaging.round import part_bounds
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.spotcheck import Checker
@@ -78,6 +79,49 @@ class Round:
 Conclude = Callable[[Round | None], Awaitable[None]]
 
 
+class RoundDiverged(AveragingError):
+    """This peer's mean of a round is not the others' (it was cut, told of its failures too late, or lost a
+    later phase's part with no verdicts): it fetches the run's state."""
+
+
+@dataclass(slots=True)
+class Agreed:
+    """What a round's members agreed not to apply: the parts of this group (``lost``), this peer's failed
+    parts the others were told to apply (``late``), the slices the other columns of a later phase's cluster
+    lost (``ranges``), whether a member's input to a parameter round was not the mean (``spoiled``), and
+    whether no verdicts came for a later phase that lost parts (``unknown``)."""
+
+    lost: list[int]
+    late: list[int] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    spoiled: bool = False
+    unknown: bool = False
+
+
+def _diverged(a: GroupAssignment, late: object, agreed: Agreed, spoiled: bool) -> str | None:
+    """Why this peer's mean of phase ``a`` is not the other members' (``late``: the all-reduce's own; see
+    :class:`Agreed`), or None."""
+    where = f"phase {a.phase + 1} of {a.phases}"
+    if late:
+        # (the others averaged without my copy of those parts, or zeroed the part I own because the group
+        # cut me: what I would apply is not what they apply)
+        return (
+            f"this peer was left out of {where} (it was asleep or too slow: its copies came after their owners "
+            "closed, or the group cut it)"
+        )
+    if agreed.late:
+        return (
+            f"parts {agreed.late} of {where} failed here after the other members were told to apply them: this "
+            "peer's mean is not theirs"
+        )
+    if spoiled and not agreed.spoiled and a.phase > 0:
+        return f"the others were told too late that this peer's input to {where} was not the mean"
+    if agreed.unknown:
+        # (the other columns of this phase reduced those parts, and no verdicts say what they do)
+        return f"parts {agreed.lost} of {where} failed and the tracker gave no verdicts on the other columns"
+    return None
+
+
 class Rounds:
     """The rounds of one volunteer: hand-over, all-reduce phases, apply; with delay 1, the round under way
     in the background and the gradient taken early."""
@@ -90,6 +134,8 @@ class Rounds:
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         self._mean_bufs: list[np.ndarray | None] = [None, None]  # the mean lands here, phase by phase
         self.checker = Checker(run)
+        # a parameter round ended with another mean here than the others' (RoundDiverged): fetch the state
+        self.diverged = False
 
     # ------------------------------------------------------------------ the round in the background
 
@@ -251,12 +297,15 @@ class Rounds:
         accumulates again); with delay 1 and ``reuse`` the means land in two buffers kept between steps (the
         gradient's buffer receives the next step's gradient before this mean is applied).
 
-        A part whose owner failed keeps its local values, which are this peer's alone: in the first phase they
-        are zeroed, as every member that lost the same owner does, so the group stays equal (the failures are
-        returned, one phrase each); in a later phase the other columns reduced that part, so the round fails
-        (:class:`AveragingError`) and the peer fetches the state."""
+        A part whose owner failed keeps its local values, which are this peer's alone: the values of every
+        part that some member of the group (in a later phase: of any column of its cluster) could not apply
+        are zeroed, as every such member does (tracker/verdicts.py), so the step's mean stays one; the
+        failures are returned, one phrase each. A parameter round zeroes nothing: one that lost a part is
+        *spoiled*, says so in its later phases, and every member keeps its own parameters. A peer whose mean
+        is not the others' (cut, told its failures too late, or a later phase lost with no verdicts) raises
+        :class:`RoundDiverged` and fetches the state."""
         run = self.run
-        values, failed = vector, []
+        values, failed, spoiled = vector, [], False
         for i, a in enumerate(phases):
             [me] = [m for m in a.members if m.peer_id == run.peer_id]
             out = None
@@ -271,44 +320,43 @@ class Rounds:
             phase_tag = round_tag(tag, a.phase)
             result = await run.averager.allreduce(a, values, float(me.weight), tag=phase_tag, out=out)
             # every member applies the same parts: those any member could not apply, none does
-            lost, told_late = await self._agreed_failures(a, phase_tag, result.failed_parts)
-            if result.late:
-                # (the others averaged without my copy of those parts, or zeroed the part I own because the
-                # group cut me: what I would apply is not what they apply)
-                raise AveragingError(
-                    f"this peer was left out of phase {a.phase + 1} of {a.phases} (it was asleep or too slow: "
-                    "its copies came after their owners closed, or the group cut it)"
+            agreed = await self._agreed_failures(
+                a, phase_tag, result.failed_parts, spoiled, result.values.size
+            )
+            why = _diverged(a, result.late, agreed, spoiled)
+            if why is not None:
+                raise RoundDiverged(why)
+            spoiled = spoiled or agreed.spoiled
+            zeroed = [
+                run.averager.bounds(a, result.values.size)[part] for part in agreed.lost
+            ] + agreed.ranges
+            if zeroed and tag == "params":
+                spoiled = True
+            elif zeroed:
+                for lo, hi in zeroed:
+                    result.values[lo:hi] = 0.0
+                failed.append(
+                    f"phase {a.phase + 1} of {a.phases}, parts {agreed.lost}"
+                    + (f" and {len(agreed.ranges)} slices lost in other columns" if agreed.ranges else "")
                 )
-            if told_late:
-                raise AveragingError(
-                    f"parts {told_late} of phase {a.phase + 1} of {a.phases} failed here after the other members "
-                    "were told to apply them: this peer's mean is not theirs"
-                )
-            if lost and a.phase > 0:
-                # (the other columns of this phase reduced those parts: zeroing them here would leave this
-                # column with another mean than theirs)
-                raise AveragingError(
-                    f"parts {lost} of phase {a.phase + 1} of {a.phases} failed: this column's mean is not "
-                    "the other columns'"
-                )
-            if lost:
-                bounds = run.averager.bounds(a, result.values.size)
-                for part in lost:
-                    result.values[bounds[part][0] : bounds[part][1]] = 0.0
-                failed.append(f"phase {a.phase + 1} of {a.phases}, parts {lost}")
             values = result.values
+        if spoiled:
+            failed.append("a part of a phase: the parameters' mean is not whole")
         return values, failed
 
     async def _agreed_failures(
-        self, a: GroupAssignment, tag: str, mine: tuple[int, ...]
-    ) -> tuple[list[int], list[int]]:
+        self, a: GroupAssignment, tag: str, mine: tuple[int, ...], spoiled: bool, size: int
+    ) -> Agreed:
         """The parts of round ``a`` that some member could not apply (tracker/verdicts.py): mine, reported,
-        and every other member's; and those of mine the others were told to apply (reported too late). Alone
-        in its group, or when the tracker does not answer, a peer goes by its own."""
+        and every other member's; those of mine the others were told to apply (reported too late); in a
+        later phase the values the cluster's other columns lost. Alone in its group, or when the tracker
+        does not answer, a peer goes by its own (in a later phase that is not enough: ``unknown``)."""
         run = self.run
-        if len(a.members) < 2:
-            return list(mine), []
-        verdict = RoundVerdict(peer_id=run.peer_id, assignment=a, tag=tag, failed=list(mine))
+        if len(a.members) < 2 and a.phase == 0:
+            return Agreed(list(mine))
+        verdict = RoundVerdict(
+            peer_id=run.peer_id, assignment=a, tag=tag, failed=list(mine), spoiled=spoiled and a.phase > 0
+        )
         try:
             reply = await run.tracker.verdicts(run.config.run_id, verdict, run.key, run.credential)
         except (CrowdtrainError, OSError) as exc:
@@ -319,7 +367,7 @@ class Rounds:
                 tag,
                 exc,
             )
-            return list(mine), []
+            return Agreed(list(mine), unknown=bool(mine) and a.phase > 0)
         others = sorted(set(reply.failed) - set(mine))
         if others:
             run.note(
@@ -328,7 +376,21 @@ class Rounds:
                 a.round_id,
                 others,
             )
-        return sorted(set(reply.failed) | set(mine)), list(reply.late)
+        if reply.elsewhere:
+            run.note(
+                logging.WARNING,
+                "round %s: %d other columns of its cluster lost parts: no member applies those values",
+                a.round_id,
+                len(reply.elsewhere),
+            )
+        align = run.averager.config.align
+        ranges = [
+            part_bounds(size, c.parts, c.part_weights, align)[p]
+            for c in reply.elsewhere
+            for p in c.failed
+            if 0 <= p < c.parts
+        ]
+        return Agreed(sorted(set(reply.failed) | set(mine)), list(reply.late), ranges, reply.spoiled)
 
     async def average_params(self, phases: list[GroupAssignment]) -> np.ndarray | None:
         """Average parameters over the step's peers, in the same phases and with the same weights as the
@@ -338,6 +400,10 @@ class Rounds:
         params = await asyncio.to_thread(run.trainer.flat_params)
         try:
             values, failed = await self._phases(phases, params, "params", reuse=False)
+        except RoundDiverged as exc:  # (the others apply a mean: this peer's parameters would not be theirs)
+            run.note(logging.WARNING, "parameter averaging: %s; this peer will fetch the state", exc)
+            self.diverged = True
+            return None
         except AveragingError as exc:
             run.note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
             return None
