@@ -1,4 +1,4 @@
-"""Where a connection or a request comes from, as the tracker and the peer servers count it (issue 29).
+"""Where a connection or a request comes from, as the tracker and the peer servers count it.
 
 An address is an IPv4 address or an IPv6 /64 (what one home or one machine holds; an IPv4 address inside
 IPv6, ``::ffff:a.b.c.d``, counts as that IPv4 address), and its neighbourhood an IPv4 /24 or an IPv6 /48.

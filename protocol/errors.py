@@ -21,6 +21,7 @@ Every message is a sentence that says what went wrong and, where it can, what to
     ├── DatasetError                 a data set cannot be made, read or fetched
     ├── RecipeError                  the model recipe is unknown or does not match the run's spec
     ├── AveragingError               an all-reduce round failed as a whole
+    │   └── RoundDiverged*           this peer's mean of a round is not the others' (volunteer/rounds.py)
     └── StateSyncError               no donor could deliver the run's current state
         └── DonorsDisagree           the peers serving the run's state disagree: none can be listed
 

@@ -116,7 +116,7 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     step_timeout_s: float = 60.0  # a step closes this long after it opened even below the target
     # copies with a norm above this × the lower median of the group's norms (never above the part owner's own
     # copy's norm) are scaled down to it
-    clip_multiple: float = 1.0  # 1: no copy pulls harder than the median one (issue 48; docs/security.md)
+    clip_multiple: float = 1.0  # 1: no copy pulls harder than the median one (docs/security.md)
     average_state_every: int = 10  # parameter averaging every this many global steps; 0 = never
     # accepted for older run specs and ignored: a peer that missed a step always drops its
     # accumulation and fetches the state (no gradient outlives its parameters)
@@ -474,7 +474,7 @@ class ReadyReply(Message, frozen=True, kw_only=True):
 
 
 class CutCall(Message, frozen=True, kw_only=True):
-    """``POST /api/v1/runs/{id}/cut``: a member of a round about the owner of a part of it (issue 27).
+    """``POST /api/v1/runs/{id}/cut``: a member of a round about the owner of a part of it.
 
     From another member (a vote): ``owner``'s answer has not begun although the round has been quiet for a
     while; cut it if every other member says so. From ``owner`` itself (a claim), sent once its answer went

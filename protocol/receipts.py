@@ -1,4 +1,4 @@
-"""A part owner's receipt: what it reduced, signed, so that no member takes its answer on trust (issue 48).
+"""A part owner's receipt: what it reduced, signed, so that no member takes its answer on trust.
 
 An owner answers each member with the reduced part ``a`` (as the member decodes it) and then, at the end of
 the same answer, a receipt: per member of the round, the weight and norm of the copy it counted and

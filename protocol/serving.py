@@ -9,7 +9,7 @@ aiohttp then never sees the connection, so the cleanup never closes it, and its 
 (a ResourceWarning) once collected. :func:`stop_serving` stops accepting first, lets every connection already
 accepted get its transport and reach aiohttp, and only then cleans up.
 
-At most MAX_CONNECTIONS_PER_ADDRESS connections are open at once from one address (issue 29: many slow
+At most MAX_CONNECTIONS_PER_ADDRESS connections are open at once from one address (many slow
 connections from one host, each held until its idle limit, would take every file descriptor): the next one is
 answered 503 with a sentence and closed. An address is counted as the tracker counts identities
 (:func:`~crowdtrain.protocol.addresses.origin_of`: an IPv4 address or an IPv6 /64; this machine's own,

@@ -5,11 +5,14 @@ in the product is a function longer than 60 lines; ``volunteer/engine.py`` (the 
 fits in 450 lines. A class's attributes are its declared fields (dataclass and Struct annotations,
 ``__slots__``) and every ``self.NAME`` its methods assign. A span runs from the ``def`` or ``class`` line to
 the last line, decorators left out. Each failure names every offender as ``file:line`` with its size.
+
+No import loop in ``volunteer/`` or ``tracker/`` (type-only imports count), and no issue number in the product.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,3 +187,91 @@ def test_the_engine_holds_the_wiring_and_the_loop_in_450_lines():
             "loop; move any other job into a module of its own.",
             pytrace=False,
         )
+
+
+# ------------------------------------------------------------------ import loops
+
+
+def module_name(path: str) -> str:
+    """``tracker/verdicts.py`` → ``crowdtrain.tracker.verdicts`` (a package's ``__init__`` is the package)."""
+    name = "crowdtrain." + path.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def import_graph(folders: tuple[str, ...]) -> dict[str, set[str]]:
+    """Which of the modules under ``folders`` each imports, type-only imports (``if TYPE_CHECKING:``) and
+    imports inside functions included: a loop through any of them is a loop in what a reader must hold."""
+    trees = {module_name(path): tree for path, tree in parsed(folders)}
+    graph: dict[str, set[str]] = {name: set() for name in trees}
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {m for m in named if m in trees and m != name}
+    return graph
+
+
+def loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_the_loop_finder_finds_a_loop_of_three_and_none_in_a_chain():
+    assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert loops({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+@pytest.mark.parametrize("folder", ROOMS)
+def test_no_import_loop_in_the_volunteer_or_the_tracker(folder):
+    """Modules of one folder import one way: the records at the bottom, the server (or the engine) on top. A
+    loop, even through a type-only import, means neither module can be read without the other."""
+    found = loops(import_graph((folder,)))
+    assert not found, f"import loops in {folder}/: " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def test_no_issue_number_in_the_product():
+    """An issue number means nothing to a reader of the repository: the product says what it means instead."""
+    cited = [
+        f"{path}:{n}"
+        for path, _ in parsed(PRODUCT)
+        for n, line in enumerate((ROOT / path).read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"\bissues? \d+", line, re.IGNORECASE)
+    ]
+    assert not cited, "issue numbers in the product: " + ", ".join(cited)

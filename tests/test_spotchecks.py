@@ -16,8 +16,7 @@ import pytest
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMember, SpotCheckVerdict
-from crowdtrain.tracker.collab import Peer
-from crowdtrain.tracker.ledger import Share
+from crowdtrain.tracker.peers import Peer, Share
 from crowdtrain.tracker.spotchecks import KEEP_STEPS, REJECTIONS_TO_BAR, SpotChecks, VerdictRefused
 from crowdtrain.tracker.store import Store
 from crowdtrain.volunteer import events as ev

@@ -12,9 +12,9 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec, RunSpec
-from crowdtrain.tracker.collab import Peer, answer_wait
+from crowdtrain.tracker.collab import answer_wait
 from crowdtrain.tracker.config import TrackerConfig
-from crowdtrain.tracker.ledger import Share
+from crowdtrain.tracker.peers import Peer, Share
 from crowdtrain.tracker.server import serve
 from tests.harness import until
 from tests.sim import PingServer, SimVolunteer, make_run_create

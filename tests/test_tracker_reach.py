@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from crowdtrain.protocol.errors import ConfigError
-from crowdtrain.tracker.reach import AddressError, Checker, Reach, resolve_address
+from crowdtrain.tracker.peers import Reach
+from crowdtrain.tracker.reach import AddressError, Checker, resolve_address
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
 
 

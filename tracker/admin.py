@@ -22,7 +22,7 @@ from crowdtrain.tracker.auth import check_admin
 from crowdtrain.tracker.replies import ApiError, json_reply
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.server import Tracker
+    from crowdtrain.tracker.parts import TrackerParts
 
 
 def _slug(name: str) -> str:
@@ -68,7 +68,7 @@ def checked_torrent(msg: RunCreate) -> bytes:
 class Admin:
     """The admin's routes of one tracker."""
 
-    def __init__(self, tracker: Tracker) -> None:
+    def __init__(self, tracker: TrackerParts) -> None:
         self.tracker = tracker
 
     def _check(self, request: web.Request) -> None:

@@ -1,4 +1,4 @@
-"""Backup workers (issue 27): the rules that keep a step from waiting on a volunteer asleep, beside the
+"""Backup workers: the rules that keep a step from waiting on a volunteer asleep, beside the
 ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.md``, item 9).
 
 * **Late.** Once the peers done with the open step have waited (LATE_FACTOR - 1) × their step (at least
@@ -34,7 +34,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.ledger import Share
+    from crowdtrain.tracker.peers import Share
 
 # A peer that owes samples is late (the rule above) past LATE_FACTOR × what its rest should take, plus
 # LATE_GRACE_S, once the peers done with the step have waited (LATE_FACTOR - 1) × their step, at least

@@ -32,7 +32,7 @@ The rules volunteers rely on:
 * If no ready peer owns a part when the round is formed (the reachable ones left or were not ready),
   nothing is formed: the step opens again, its ready callers get ``open`` and go on accumulating, and the
   global step does not advance.
-* **A straggler never holds a step** (issue 27): a peer at the open step that still owes samples of its
+* **A straggler never holds a step**: a peer at the open step that still owes samples of its
   allotment and has said nothing for the tracker's ``straggler_intervals`` heartbeat intervals (1.5), at least
   ``STRAGGLE_FLOOR_S`` (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
   every interval whatever it does) loses what it has not computed: it keeps the samples it reported, counts as
@@ -64,7 +64,6 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.aio import wait_at_most
@@ -74,7 +73,6 @@ from crowdtrain.protocol.messages import (
     EvalReport,
     Heartbeat,
     HeartbeatReply,
-    PeerStatus,
     ReadyReply,
     RunSpec,
     StateVersion,
@@ -82,10 +80,10 @@ from crowdtrain.protocol.messages import (
     StepWatch,
 )
 from crowdtrain.tracker.cuts import Cuts
-from crowdtrain.tracker.donors import Donors, Offer, StateRefused
-from crowdtrain.tracker.ledger import Ledger, Share
+from crowdtrain.tracker.donors import Donors, StateRefused
+from crowdtrain.tracker.ledger import Ledger
 from crowdtrain.tracker.matchmaking import Candidate, plan
-from crowdtrain.tracker.reach import Reach
+from crowdtrain.tracker.peers import Peer, Share
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.spotchecks import SpotChecks
 from crowdtrain.tracker.store import RunStore
@@ -117,45 +115,6 @@ NO_REACHABLE_PEER = (
 )
 
 OnFormed = Callable[[StepRecord, list[int]], None]
-
-
-@dataclass(slots=True)
-class Peer:
-    """One volunteer of a run. Each sub-record has one writer: ``share`` the ledger
-    (:mod:`crowdtrain.tracker.ledger`), ``reach`` the reachability checker (:mod:`crowdtrain.tracker.reach`),
-    ``offer`` the state donors (:mod:`crowdtrain.tracker.donors`)."""
-
-    peer_id: str
-    public_key: str
-    share: Share
-    reach: Reach = field(default_factory=Reach)
-    offer: Offer = field(default_factory=Offer)
-    chunks_held: int = 0
-    loss: float | None = None
-    compute_share: float | None = None  # as its last heartbeat said
-    backbone: bool = False  # as its last heartbeat said: it computes no gradients
-    upload_bps: float | None = None  # as its last heartbeat said: what its rounds went out at lately
-    last_seen: float = 0.0  # monotonic
-    answer_s: float | None = None  # close → its ready call, done before the close (decaying max; answer_wait)
-    evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)
-
-    def status(self) -> PeerStatus:
-        """Its row in the run's status."""
-        return PeerStatus(
-            peer_id=self.peer_id,
-            step=self.share.step,
-            samples=self.share.samples,
-            samples_per_s=self.share.samples_per_s,
-            client_mode=not self.reach.owns_part,
-            chunks_held=self.chunks_held,
-            loss=self.loss,
-            address=self.reach.address,
-            reachable=self.reach.reachable,
-            bt_reachable=self.reach.bt_reachable,
-            compute_share=self.compute_share,
-            backbone=self.backbone,
-            upload_bps=self.upload_bps,
-        )
 
 
 class RunState:

@@ -1,4 +1,4 @@
-"""Cutting a sleeper out of a round in flight (issue 27): one decision per (round, tag, part owner), taken
+"""Cutting a sleeper out of a round in flight: one decision per (round, tag, part owner), taken
 here, followed by every member before it applies the round.
 
 A member asleep inside its round (a laptop lid closed, SIGSTOP) owns a part the others wait for: its answer

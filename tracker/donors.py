@@ -16,15 +16,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import Donor, DonorList, StateVersion
+from crowdtrain.tracker.peers import Offer, Peer
 from crowdtrain.tracker.rounds import KEEP_FORMED_STEPS, Rounds
-
-if TYPE_CHECKING:
-    from crowdtrain.tracker.collab import Peer
 
 # A state is listed when MIN_BACKERS peers serve the same one (when that many serve any), and a peer whose
 # declarations were refused DONOR_STRIKES times is no donor any more.
@@ -39,15 +35,6 @@ class StateRefused(CrowdtrainError, ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         self.status = status
         super().__init__(message)
-
-
-@dataclass(slots=True)
-class Offer:
-    """The states one peer serves, as :class:`Donors` recorded them (only it writes this)."""
-
-    states: tuple[StateVersion, ...] = ()  # the snapshots it declared it serves, newest first
-    refused: int = 0  # its state declarations the tracker refused
-    dropped: bool = False  # refused DONOR_STRIKES times: never listed as a donor again
 
 
 class Donors:
@@ -159,7 +146,7 @@ class Donors:
             return DonorList(state=None, donors=[])
         # Only peers that train count toward how many must agree: one catching up (or waiting) still serves
         # the older state it held, which no one else holds any more, and it must not hold the others' back
-        # (issue 47's churn soak: the one training peer's state went unlisted for minutes beside a rejoined
+        # (the churn soak, bench/churn.py: the one training peer's state went unlisted for minutes beside a rejoined
         # peer's kept one). With no training peer among them (the run stalled) all of them count.
         serving = training or serving
         need = min(MIN_BACKERS, serving)

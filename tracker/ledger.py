@@ -30,13 +30,13 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
   mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
   or the step's weight, whichever is larger, and the share cap.
-* **Late** (backup workers, issue 27). Once the peers done with the open step have waited half as long as
+* **Late** (backup workers). Once the peers done with the open step have waited half as long as
   their step took (LATE_GRACE_S at least), a peer that still owes samples and is past LATE_FACTOR × the time
   its rest should take at its rate, from when it last reported, plus LATE_GRACE_S, is late (:meth:`overdue`):
   allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
   also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
   step and has not spoken since is written off: the round does not wait for its ready call.
-* **Spares** (backup workers, issue 27; delay 0, one inner step; the rule's code is
+* **Spares** (backup workers; delay 0, one inner step; the rule's code is
   :mod:`crowdtrain.tracker.backup`'s, with the late rule's). Once the first peer done with the open
   step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
   still owes samples is past the time its rest should have taken at its rate (from its last report, plus
@@ -68,6 +68,7 @@ from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.messages import RunSpec
 from crowdtrain.tracker.backup import Spares, late
 from crowdtrain.tracker.origins import Origins
+from crowdtrain.tracker.peers import Share
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -86,27 +87,6 @@ PROBATION_STEPS = 3
 def _settled(rate_sum: float) -> float:
     """A running sum of rates, its float dust (below :data:`RATE_DUST`) put back to 0."""
     return 0.0 if abs(rate_sum) < RATE_DUST else rate_sum
-
-
-@dataclass(slots=True)
-class Share:
-    """One peer's part of the run's steps, as the ledger keeps it (read by the run, written by the ledger)."""
-
-    step: int = -1  # the step it is at, as far as the tracker knows
-    samples: int = 0  # credited for ``step``
-    samples_per_s: float = 0.0
-    computing: bool = True  # able to compute for the run (False: done, catching up, or no chunk yet)
-    allotted: int = 0  # samples it may accumulate for ``step`` (its share of the target)
-    ahead_share: int | None = None  # delay 1: what its last heartbeat reply told it it may compute ahead
-    capped: bool = False  # credited less than it claimed once (logged once)
-    counted_at: float = 0.0  # when its samples were last credited
-    step_since: float = 0.0  # when its current step began for it, as far as the tracker knows
-    step_base: int = 0  # the samples it held for the step then (computed ahead, with delay 1)
-    done_at: float = -1.0  # when it reached its allotment of ``step`` (monotonic); -1: it owes samples
-    peer_id: str = ""
-    rounds: int = 0  # rounds it took part in (PROBATION_STEPS)
-    stopped: bool = False  # its last report reached the allotment it had been told, and it got no more
-    begun: bool = False  # it reported at its step since a round moved it there (it began computing it)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from crowdtrain.protocol.messages import StepRecord
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.server import Tracker
+    from crowdtrain.tracker.runs import Runs
+    from crowdtrain.tracker.swarm import Swarms
 
 
 class Metrics:
@@ -44,10 +45,10 @@ class Metrics:
         self.runs = Gauge("crowdtrain_tracker_runs", "runs registered", registry=r)
         self._children: dict[tuple[str, int], Counter] = {}
 
-    def bind(self, tracker: Tracker) -> None:
-        self.peers_online.set_function(tracker.runs.peers_online)
-        self.swarm_peers.set_function(tracker.swarms.total_peers)
-        self.runs.set_function(lambda: len(tracker.runs))
+    def bind(self, runs: Runs, swarms: Swarms) -> None:
+        self.peers_online.set_function(runs.peers_online)
+        self.swarm_peers.set_function(swarms.total_peers)
+        self.runs.set_function(lambda: len(runs))
 
     def request(self, route: str, status: int) -> None:
         key = (route, status)

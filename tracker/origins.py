@@ -1,4 +1,4 @@
-"""Where a volunteer's identities come from (issue 29: weight is earned, not claimed).
+"""Where a volunteer's identities come from (weight is earned, not claimed).
 
 Identities cost nothing to make, so the tracker counts them where they come from: the address a join or a
 heartbeat arrives from, an IPv4 address or an IPv6 /64 (what one home or one machine holds), and its

@@ -1,4 +1,4 @@
-"""Members that pull against the run (issue 48): copies that point against the other members', round after round.
+"""Members that pull against the run: copies that point against the other members', round after round.
 
 A member reports another (``POST /api/v1/runs/{id}/pull``, :class:`PullReport`) with the signed receipts of a
 round's first phase, those of the parts owned by neither of them. The tracker checks each receipt's signature

@@ -26,16 +26,12 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from aiohttp import ClientError, ClientSession, ClientTimeout
 
 from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from crowdtrain.tracker.collab import Peer
+from crowdtrain.tracker.peers import Peer, Reach
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -46,32 +42,6 @@ CHECKER_PEER_ID = b"-CT0000-reachability"  # 20 bytes: the tracker's peer id in 
 
 class AddressError(ProtocolError):
     """A declared address that cannot be used (answered with 400)."""
-
-
-@dataclass(slots=True)
-class Reach:
-    """What the tracker knows of where one peer is reached; a :class:`Checker` alone writes it."""
-
-    address: str | None = None  # declared "host:port", None for client mode
-    reachable: bool = False  # the tracker reached ``address`` with GET /v1/ping
-    checking: bool = False  # a reachability check is under way
-    checks: int = 0  # reachability checks done for the current address
-    checked_at: float = 0.0  # monotonic time of the last check
-    checked: bool = False  # a check of the current address finished (``reachable`` is its answer)
-    bt_address: str | None = None  # "host:port" of its BitTorrent session, as the tracker tries it
-    bt_reachable: bool | None = None  # None: not checked yet
-    bt_checking: bool = False
-    bt_checked_at: float = 0.0
-
-    @property
-    def owns_part(self) -> bool:
-        """Whether the peer may own an all-reduce part: its declared address answered."""
-        return self.reachable and self.address is not None
-
-    @property
-    def first_check(self) -> bool:
-        """Whether the first check of its declared address is still under way."""
-        return self.address is not None and not self.checked
 
 
 IP = ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -14,7 +14,7 @@ from crowdtrain.protocol.messages import AveragingSpec, GroupAssignment, GroupMe
 from crowdtrain.tracker.matchmaking import Candidate, Group
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.collab import Peer
+    from crowdtrain.tracker.peers import Peer
 
 KEEP_FORMED_STEPS = 8  # assignments of this many past steps are kept to answer late ready calls
 # Parts by upload rate (AveragingSpec.part_sizes = "upload"): an owner's rate counts within

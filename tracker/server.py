@@ -123,7 +123,7 @@ class Tracker:
         self.runs.load(quiet_s=3 * config.heartbeat_interval_s)
         self.registered: set[bytes] = {bytes.fromhex(h) for h in self.store.datasets()}
         self.swarms = Swarms(config.max_swarm_peers)
-        self.metrics.bind(self)
+        self.metrics.bind(self.runs, self.swarms)
         self._stop = asyncio.Event()
         self.checker = Checker(config.reachability_timeout_s, config.reachability_concurrency, tasks)
         self._runner: web.AppRunner | None = None

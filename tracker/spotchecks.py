@@ -1,4 +1,4 @@
-"""Spot-checks (issue 29): one member's gradient recomputed by another, and what a mismatch costs.
+"""Spot-checks: one member's gradient recomputed by another, and what a mismatch costs.
 
 The rules (docs/security.md, "Spot-checks"):
 
@@ -43,7 +43,7 @@ from crowdtrain.tracker.pulls import Pulls
 from crowdtrain.tracker.store import RunStore
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.collab import Peer
+    from crowdtrain.tracker.peers import Peer
 
 REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run...
 REJECTED_SHARE_TO_BAR = 0.1  # ...when they are at least this share of its checks

@@ -1,4 +1,4 @@
-"""The verdicts of a round's members on its parts (issue 48): a part one member does not apply, no member does.
+"""The verdicts of a round's members on its parts: a part one member does not apply, no member does.
 
 A member checks every answer it gets (the owner's receipt, protocol/receipts.py) and may refuse one that another
 member, whose own line the owner did not forge, would take; it may also have lost a part to the network. Each
@@ -11,7 +11,7 @@ In a later phase a board covers a whole cluster (tracker/matchmaking.py): its co
 one mean, cut into parts their own way, so a part lost in one column is told to every column's members as
 that column's parts (``elsewhere``), and they zero those values too: the cluster still holds one mean. (Before,
 a member of a later phase that lost a part fetched the run's state; when an owner of each column left mid-round,
-every volunteer did at once, and the run stood still: issue 47's churn soak.) A member whose input to the
+every volunteer did at once, and the run stood still: the churn soak, bench/churn.py.) A member whose input to the
 phase is not the mean (``spoiled``: a parameter round that lost a part before) tells the cluster so, and every
 member then keeps its own parameters (one whose report of it came late fetches the state).
 

@@ -41,9 +41,10 @@ from crowdtrain.protocol.messages import (
     decode,
     round_tag,
 )
-from crowdtrain.tracker.collab import Peer, RunState, eval_refusal
+from crowdtrain.tracker.collab import RunState, eval_refusal
 from crowdtrain.tracker.cuts import CutRefused
 from crowdtrain.tracker.donors import StateRefused
+from crowdtrain.tracker.peers import Peer
 from crowdtrain.tracker.pulls import PULL_WINDOW
 from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
@@ -53,7 +54,7 @@ from crowdtrain.tracker.spotchecks import VerdictRefused
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from crowdtrain.tracker.server import Tracker
+    from crowdtrain.tracker.parts import TrackerParts
 
 ADDRESS_CACHE = 100_000  # resolved addresses kept (then forgotten all at once)
 
@@ -61,7 +62,7 @@ ADDRESS_CACHE = 100_000  # resolved addresses kept (then forgotten all at once)
 class Volunteers:
     """The volunteers' routes of one tracker."""
 
-    def __init__(self, tracker: Tracker) -> None:
+    def __init__(self, tracker: TrackerParts) -> None:
         self.tracker = tracker
         self.config = tracker.config
         # (declared, seen from) -> the address others reach it at: every heartbeat declares it again, and

@@ -2,7 +2,7 @@
 while it keeps taking part in its group's rounds with weight 0; the averages it receives meanwhile are kept
 (:class:`Replay`) and replayed once the fetched state is loaded, so it ends exactly where the others are.
 
-One that missed only a few steps (asleep when they closed: a lid closed, SIGSTOP; issue 27) holds the state
+One that missed only a few steps (asleep when they closed: a lid closed, SIGSTOP) holds the state
 of the step it missed: with delay 0 it fetches the averages of the steps since from peers, each from two
 that agree (:mod:`crowdtrain.volunteer.averaging.averages`), and replays them on its own state instead of
 fetching the whole state; where peers no longer keep one of them, it fetches the state.
@@ -43,7 +43,7 @@ STATE_HEADER_BYTES = 64 << 20
 
 def state_bound(model, ceiling: int) -> int:  # model: torch.nn.Module
     """The most bytes a state of ``model``'s run can take (never above ``ceiling``): a donor offering more
-    is refused before anything is read, whatever its manifest says (issue 29: a newcomer accepted 16 GiB
+    is refused before anything is read, whatever its manifest says (a newcomer accepted 16 GiB
     whatever the model)."""
     own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return min(ceiling, STATE_PER_MODEL_BYTE * own + STATE_HEADER_BYTES)

@@ -1,4 +1,4 @@
-"""Spot-checks, the volunteer's side (issue 29; who checks whom and what a verdict costs is the tracker's:
+"""Spot-checks, the volunteer's side (who checks whom and what a verdict costs is the tracker's:
 :mod:`crowdtrain.tracker.spotchecks`).
 
 As a *suspect*, every volunteer keeps the samples of its gradients of its last steps and serves them to

@@ -1,5 +1,5 @@
 """The averages a volunteer applied lately, kept so that a peer that fell asleep for a few steps rejoins by
-replaying them on its own state instead of fetching the whole state (issue 27).
+replaying them on its own state instead of fetching the whole state.
 
 A peer left out of a step (asleep when it closed, or when its round ran) still holds the state of that step:
 its parameters and optimizer moments are the others' as they were then. What it lacks is the average each of

@@ -1,4 +1,4 @@
-"""A member asleep inside a round does not hold the others (issue 27): the group cuts it, through the tracker.
+"""A member asleep inside a round does not hold the others: the group cuts it, through the tracker.
 
 A part owner that sleeps (SIGSTOP, a laptop lid) holds every member: they wait for its answer and for its
 copies of their own parts. Each member decides alone to stop waiting for a copy, but an answer is what

@@ -1,4 +1,4 @@
-"""A volunteer's own samples, kept for spot-checks (issue 29; see :mod:`crowdtrain.volunteer.spotcheck`).
+"""A volunteer's own samples, kept for spot-checks (see :mod:`crowdtrain.volunteer.spotcheck`).
 
 Every volunteer keeps the samples of its gradient of each of its last :data:`KEEP_STEPS` steps (each
 micro-batch's ``(chunk index, offset)`` pairs, in order, and the sum of their losses × n) and serves them at

@@ -1,5 +1,5 @@
 """A recipe's pre-flight: what ``run create`` checks before any volunteer sees a run, and what every volunteer
-checks again before it computes (issue 25).
+checks again before it computes.
 
 Each check ends in one :class:`RecipeError` sentence naming the recipe and what to change, never in the
 recipe's traceback: a recipe of another kind than the data set, arguments its own code refuses, a token
