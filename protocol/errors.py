@@ -14,6 +14,7 @@ Every message is a sentence that says what went wrong and, where it can, what to
     │   └── AdminAuthError*          the admin token is missing or wrong (tracker/auth.py)
     ├── TrackerError                 the tracker answered with an error
     │   └── TrackerUnreachable       the tracker did not answer (down, wrong URL, timeout)
+    ├── PeerUnreachable*             a peer did not answer, or its answer was cut off (protocol/peerclient.py)
     ├── ApiError*                    a tracker route's refusal: its HTTP status and sentence (tracker/replies.py)
     ├── StateRefused*                a state declaration the tracker does not record (tracker/donors.py)
     ├── VerdictRefused*              a spot-check verdict the tracker did not draw (tracker/spotchecks.py)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.averaging.round import part_bounds
+from crowdtrain.volunteer.averaging.exchange import part_bounds
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from tests.faults import losses_on_a_fixed_batch, record_outcome

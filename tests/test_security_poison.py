@@ -33,7 +33,7 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.averaging import AveragingConfig
-from crowdtrain.volunteer.averaging.round import part_bounds
+from crowdtrain.volunteer.averaging.exchange import part_bounds
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig

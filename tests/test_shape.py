@@ -275,3 +275,38 @@ def test_no_issue_number_in_the_product():
         if re.search(r"\bissues? \d+", line, re.IGNORECASE)
     ]
     assert not cited, "issue numbers in the product: " + ", ".join(cited)
+
+
+@pytest.mark.parametrize("folder", ROOMS)
+def test_no_two_modules_of_one_name_in_the_volunteer_or_the_tracker(folder):
+    """Two modules named alike (``snapshots.py`` beside ``state/snapshot.py``) send a reader to the wrong one;
+    a package's ``__init__`` and ``config`` are the only names a folder and its sub-folders share."""
+    named: dict[str, list[str]] = {}
+    for path, _ in parsed((folder,)):
+        stem = Path(path).stem.removesuffix("s")
+        named.setdefault(stem, []).append(path)
+    alike = [paths for stem, paths in named.items() if len(paths) > 1 and stem not in ("__init__", "config")]
+    assert not alike, f"modules named alike in {folder}/: {alike}"
+
+
+# ------------------------------------------------------------------ one peer client
+
+# the only modules that open HTTP client sessions: the tracker's client and the peers' (every request one peer
+# makes of another, and the tracker's reachability checks, goes through protocol/peerclient.py)
+SESSION_OWNERS = {"protocol/client.py", "protocol/peerclient.py"}
+
+
+def test_every_request_to_a_peer_goes_through_the_one_peer_client():
+    opened = []
+    for path, tree in parsed(PRODUCT):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            via = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+            if name == "ClientSession" or (via == "aiohttp" and name == "request"):
+                opened.append(f"{path}:{node.lineno}")
+    assert opened, "found no session at all: the walk is broken"
+    strays = [where for where in opened if where.split(":")[0] not in SESSION_OWNERS]
+    assert not strays, f"HTTP sessions opened outside the tracker's and the peers' clients: {strays}"

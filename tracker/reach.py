@@ -27,10 +27,9 @@ import logging
 import socket
 import time
 
-from aiohttp import ClientError, ClientSession, ClientTimeout
-
 from crowdtrain.protocol.aio import BodyTooLong, read_body
 from crowdtrain.protocol.errors import ProtocolError
+from crowdtrain.protocol.peerclient import PeerClient, PeerUnreachable
 from crowdtrain.tracker.peers import Peer, Reach
 
 log = logging.getLogger("crowdtrain.tracker")
@@ -130,10 +129,10 @@ class Checker:
         self._tasks = tasks
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
-        self._http: ClientSession | None = None
+        self._http: PeerClient | None = None
 
     async def start(self) -> None:
-        self._http = ClientSession(timeout=ClientTimeout(total=self.timeout_s))
+        self._http = PeerClient()
 
     async def close(self) -> None:
         for task in list(self._running):
@@ -213,12 +212,12 @@ class Checker:
                 if not await self._allowed(address, remote):
                     raise ValueError(f"{address} resolves to an address the tracker does not check")
                 async with asyncio.timeout(self.timeout_s):
-                    async with self._http.get(f"http://{address}/v1/ping", allow_redirects=False) as resp:
+                    async with self._http.get(address, "/v1/ping") as resp:
                         if resp.status == 200:
                             body = await read_body(resp.content, 4096, resp.content_length)
                             reply = json.loads(body)
                             ok = isinstance(reply, dict) and reply.get("peer_id") == peer_id
-            except (ClientError, OSError, TimeoutError, ValueError, BodyTooLong) as exc:
+            except (PeerUnreachable, OSError, TimeoutError, ValueError, BodyTooLong) as exc:
                 # refused, reset, timed out, not HTTP, not JSON, too long: the address does not answer as a peer
                 log.debug("peer %s at %s is not reachable: %s", peer_id, address, exc)
             except Exception:  # a bug of ours, not the peer's: unreachable all the same, but said aloud

@@ -31,7 +31,7 @@ from crowdtrain.protocol.messages import DonorList, replace
 from crowdtrain.volunteer.averaging.averages import KEEP_STEPS, fetch_average
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
-from crowdtrain.volunteer.snapshots import Snapshotter
+from crowdtrain.volunteer.snapshotter import Snapshotter
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.snapshot import SnapshotHeader, read_snapshot_header
 

@@ -6,7 +6,7 @@ TaskGroup. This module holds the wiring and the training loop; each part it wire
 leaving (:mod:`~crowdtrain.volunteer.joined`, whose joined run every part is given), the tracker link
 (:mod:`~crowdtrain.volunteer.link`: heartbeats, step watch, allotment, ready calls), the data
 (:mod:`~crowdtrain.volunteer.data`), a step's rounds (:mod:`~crowdtrain.volunteer.rounds`), snapshots
-(:mod:`~crowdtrain.volunteer.snapshots`), catch-up (:mod:`~crowdtrain.volunteer.catchup`) and the volunteer's
+(:mod:`~crowdtrain.volunteer.snapshotter`), catch-up (:mod:`~crowdtrain.volunteer.catchup`) and the volunteer's
 figures (:mod:`~crowdtrain.volunteer.meter`).
 
 A global step, as this peer sees it (DeDLOC):
@@ -41,7 +41,7 @@ from crowdtrain.volunteer.joined import JoinedRun, Summary, Volunteering, join_r
 from crowdtrain.volunteer.link import TrackerLink
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.rounds import Round, Rounds
-from crowdtrain.volunteer.snapshots import Snapshotter
+from crowdtrain.volunteer.snapshotter import Snapshotter
 from crowdtrain.volunteer.trainer import Trainer
 
 __all__ = ["Summary", "Volunteer", "load_checkpoint"]

@@ -22,7 +22,7 @@ import torch
 from crowdtrain.protocol.errors import AveragingError, CrowdtrainError
 from crowdtrain.protocol.messages import GroupAssignment, RoundVerdict, SpotCheck, round_tag
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.averaging.round import part_bounds
+from crowdtrain.volunteer.averaging.exchange import part_bounds
 from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.spotcheck import Checker

@@ -53,6 +53,7 @@ from crowdtrain.protocol.messages import (
     decode,
 )
 from crowdtrain.protocol.peerauth import sign_headers
+from crowdtrain.protocol.peerclient import PeerClient, PeerUnreachable
 from crowdtrain.volunteer.averaging.samples import PURPOSE
 from crowdtrain.volunteer.averaging.wire import KeptPart
 
@@ -155,14 +156,16 @@ class Checker:
         headers = sign_headers(self.run.key, self.run.credential, PURPOSE, check.step)
         timeout = aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                url = f"http://{address}/v1/spotcheck/{check.step}"
-                async with session.get(url, headers=headers) as resp:
-                    body = await read_body(resp.content, ANSWER_LIMITS.max_json_bytes, resp.content_length)
-                    if resp.status != 200:
-                        return f"answered {resp.status}"
+            path = f"/v1/spotcheck/{check.step}"
+            async with (
+                PeerClient() as client,
+                client.get(address, path, headers=headers, timeouts=timeout) as resp,
+            ):
+                body = await read_body(resp.content, ANSWER_LIMITS.max_json_bytes, resp.content_length)
+                if resp.status != 200:
+                    return f"answered {resp.status}"
             answer = decode(body, SpotCheckAnswer, ANSWER_LIMITS)
-        except (aiohttp.ClientError, TimeoutError, OSError, BodyTooLong, ProtocolError) as exc:
+        except (PeerUnreachable, BodyTooLong, ProtocolError) as exc:
             return f"{type(exc).__name__}: {exc}"[:90]
         if answer.step != check.step:
             return f"answered for step {answer.step}"

@@ -6,7 +6,7 @@ of a signed :class:`~crowdtrain.protocol.messages.GroupAssignment`.
 
 from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.exchange import RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.owner import ROUTE
-from crowdtrain.volunteer.averaging.round import RoundResult, part_bounds
 
 __all__ = ["ROUTE", "Averager", "AveragingConfig", "RoundResult", "part_bounds"]

@@ -53,7 +53,7 @@ Round key: ``f"{round_id}/{tag}"``, so one assignment carries a gradient round a
 Where each side lives: :class:`Averager` (here) checks the assignment and runs the round;
 :mod:`~crowdtrain.volunteer.averaging.owner` receives, reduces and answers the part this peer owns;
 :mod:`~crowdtrain.volunteer.averaging.sender` sends this peer's copies of the other parts and reads the
-answers; :mod:`~crowdtrain.volunteer.averaging.round` holds the round's record and result.
+answers; :mod:`~crowdtrain.volunteer.averaging.exchange` holds the round's record and result.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ from crowdtrain.volunteer.averaging.averages import AverageLog
 from crowdtrain.volunteer.averaging.complaints import Complainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.cutting import Cutter, Referee
+from crowdtrain.volunteer.averaging.exchange import NAME, Round, RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.owner import ROUTE, Owner
 from crowdtrain.volunteer.averaging.pulls import PullJudge
-from crowdtrain.volunteer.averaging.round import NAME, Round, RoundResult, part_bounds
 from crowdtrain.volunteer.averaging.samples import SampleLog
 from crowdtrain.volunteer.averaging.sender import Sender
 from crowdtrain.volunteer.averaging.wire import Coder, KeptPart

@@ -28,6 +28,7 @@ from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import AuthError
 from crowdtrain.protocol.messages import Credential, Donor, ErrorBody, encode
 from crowdtrain.protocol.peerauth import check_headers, sign_headers
+from crowdtrain.protocol.peerclient import PeerClient, PeerUnreachable
 
 KEEP_STEPS = 4  # applied averages a volunteer keeps
 KEEP_BYTES = 128 << 20  # ... in at most this many bytes (fewer steps for a larger model; none above)
@@ -123,10 +124,9 @@ async def fetch_average(
     timeout = aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S, sock_read=SILENT_S)
     expected = 4 * size
 
-    async def one(session: aiohttp.ClientSession, donor: Donor) -> tuple[bytes, str] | None:
-        url = f"http://{donor.address}/v1/average/{step}/{what}"
+    async def one(client: PeerClient, donor: Donor) -> tuple[bytes, str] | None:
         try:
-            async with session.get(url, headers=headers) as resp:
+            async with client.get(donor.address, path, headers=headers, timeouts=timeout) as resp:
                 if resp.status == 404:
                     return (b"", ABSENT)
                 if resp.status != 200 or resp.content_length != expected:
@@ -134,7 +134,7 @@ async def fetch_average(
                 body = await resp.content.readexactly(expected)
                 if not resp.content.at_eof() and await resp.content.read(1):
                     return None
-        except (aiohttp.ClientError, TimeoutError, OSError, asyncio.IncompleteReadError):
+        except PeerUnreachable:
             return None
         sha = await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest())
         return (body, sha) if sha == resp.headers.get(HEADER_SHA) else None
@@ -142,12 +142,13 @@ async def fetch_average(
     got: list[tuple[bytes, str]] = []
     absent = 0
     left = list(donors)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    path = f"/v1/average/{step}/{what}"
+    async with PeerClient() as client:
         asked: set[asyncio.Future[tuple[bytes, str] | None]] = set()
         try:
             while len(got) < 2 and (left or asked) and not (absent >= 2 and not got):
                 while left and len(asked) < ASKED:
-                    asked.add(asyncio.ensure_future(one(session, left.pop(0))))
+                    asked.add(asyncio.ensure_future(one(client, left.pop(0))))
                 done, asked = await asyncio.wait(asked, return_when=asyncio.FIRST_COMPLETED)
                 for result in (task.result() for task in done):
                     if result is not None and result[1] == ABSENT:

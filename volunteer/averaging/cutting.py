@@ -40,7 +40,7 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import CrowdtrainError
 from crowdtrain.protocol.messages import Credential, CutCall, GroupAssignment, GroupMember
-from crowdtrain.volunteer.averaging.round import Round
+from crowdtrain.volunteer.averaging.exchange import Round
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import AuthError, LimitExceeded, ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
 from crowdtrain.volunteer.averaging.config import AveragingConfig
+from crowdtrain.volunteer.averaging.exchange import NAME, Round
 from crowdtrain.volunteer.averaging.reducer import Contribution, PartReducer, Term
-from crowdtrain.volunteer.averaging.round import NAME, Round
 from crowdtrain.volunteer.averaging.wire import (
     HEADER_ELEMENTS,
     HEADER_WEIGHT,

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from crowdtrain.protocol import receipts
 from crowdtrain.volunteer.averaging.complaints import Complainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
-from crowdtrain.volunteer.averaging.round import Round
+from crowdtrain.volunteer.averaging.exchange import Round
 from crowdtrain.volunteer.events import Emit, MemberPulling
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,9 @@ from crowdtrain.protocol.codecs import Codec, Residual, untransform
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.errors import ProtocolError
 from crowdtrain.protocol.messages import Credential, GroupMember
+from crowdtrain.protocol.peerclient import PeerClient, PeerUnreachable
 from crowdtrain.volunteer.averaging.config import AveragingConfig
-from crowdtrain.volunteer.averaging.round import Round
+from crowdtrain.volunteer.averaging.exchange import Round
 from crowdtrain.volunteer.averaging.wire import (
     HEADER_ELEMENTS,
     HEADER_WEIGHT,
@@ -75,9 +76,6 @@ class _Copy:
         return self.norm2, dot
 
 
-_NETWORK_ERRORS = (aiohttp.ClientError, asyncio.IncompleteReadError, ConnectionError, OSError, TimeoutError)
-
-
 class Sender:
     """Sends this peer's copies of the parts others own and takes their answers, over one HTTP session.
 
@@ -94,12 +92,10 @@ class Sender:
         self.config = config
         self._coder = coder
         self._residuals: dict[str, Residual] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._client = PeerClient()  # (every request to the owners; closed with the sender)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._client.close()
 
     def prepare(self, tag: str, size: int) -> None:
         """Start the residual of ``tag`` afresh when there is none for a vector of ``size`` values."""
@@ -224,11 +220,16 @@ class Sender:
             rnd.moved()  # (a sub-frame of the answer arrives: an answer coming up a slow line is no quiet)
             return output[start + a : start + b]
 
-        url = f"http://{owner.address}/v1/allreduce/{rnd.key}/{j}"
         remaining = rnd.deadline + cfg.grace_s - time.time()
         timeout = aiohttp.ClientTimeout(total=max(0.05, remaining), sock_connect=cfg.connect_timeout_s)
         try:
-            async with self._session_for().post(url, data=data, headers=headers, timeout=timeout) as resp:
+            async with self._client.post(
+                owner.address or "",
+                f"/v1/allreduce/{rnd.key}/{j}",
+                data=data,
+                headers=headers,
+                timeouts=timeout,
+            ) as resp:
                 rnd.moved()  # (the owner answers once its part closed: it was awake)
                 if resp.status != 200:
                     rnd.late |= resp.status == 410  # its part or round had closed: I was too late for it
@@ -239,8 +240,12 @@ class Sender:
                 rnd.stats.bytes_received += nbytes
         except ProtocolError as exc:
             return f"its answer was malformed: {exc}"
-        except _NETWORK_ERRORS as exc:
-            return "did not answer by the deadline" if isinstance(exc, TimeoutError) else f"failed: {exc!r}"
+        except PeerUnreachable as exc:
+            return (
+                "did not answer by the deadline"
+                if exc.timed_out
+                else str(exc).removeprefix(f"peer {owner.address} ")
+            )
         return await asyncio.to_thread(
             self._check_receipt,
             rnd,
@@ -309,20 +314,12 @@ class Sender:
     async def awake(self, owner: GroupMember, within_s: float) -> bool:
         """Whether ``owner``'s peer answers at all within ``within_s`` (``GET /v1/awake``): one that waits for
         other members' copies still answers; one asleep (stopped, a lid closed) does not."""
-        url = f"http://{owner.address}/v1/awake"
         try:
-            async with asyncio.timeout(within_s), self._session_for().get(url):
+            async with asyncio.timeout(within_s), self._client.get(owner.address or "", "/v1/awake"):
                 pass  # (its status line came: it is awake; its body is never read)
-        except _NETWORK_ERRORS:
+        except (PeerUnreachable, TimeoutError):
             return False
         return True
-
-    def _session_for(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=False), auto_decompress=False
-            )
-        return self._session
 
     def _part_failed(
         self,

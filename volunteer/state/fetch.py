@@ -49,6 +49,7 @@ from crowdtrain.protocol.messages import (
     decode,
 )
 from crowdtrain.protocol.peerauth import sign_headers
+from crowdtrain.protocol.peerclient import NETWORK_ERRORS, PeerClient, PeerUnreachable
 from crowdtrain.volunteer.events import (
     DonorBanned,
     Emit,
@@ -129,8 +130,8 @@ class _Job:
         return index * rb, min((index + 1) * rb, self.manifest.total_bytes)
 
 
-def _url(donor: Donor, content_hash: str, suffix: str = "") -> str:
-    return f"http://{donor.address}/v1/state/{content_hash}{suffix}"
+def _path(content_hash: str, suffix: str = "") -> str:
+    return f"/v1/state/{content_hash}{suffix}"
 
 
 def check_manifest(manifest: StateManifest, version: StateVersion, run_id: str, config: StateConfig) -> None:
@@ -181,9 +182,8 @@ async def fetch_state(
             (),
         )
     fetcher = _Fetcher(states, version, run_id, key, credential, config, emit, into)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        fetcher.session = session
+    async with PeerClient() as client:
+        fetcher.client = client
         return await fetcher.run()
 
 
@@ -217,7 +217,7 @@ class _Fetcher:
         self.credential = credential
         self.config = config
         self.emit = emit
-        self.session: aiohttp.ClientSession
+        self.client: PeerClient
         self.job: _Job
         self._t0 = time.monotonic()
         self._last_progress = 0.0
@@ -411,15 +411,14 @@ class _Fetcher:
             total=self.config.manifest_timeout_s, sock_connect=self.config.connect_timeout_s
         )
         try:
-            async with self.session.get(
-                _url(s.donor, self.version.content_hash, "/manifest"), headers=headers, timeout=timeout
-            ) as resp:
+            path = _path(self.version.content_hash, "/manifest")
+            async with self.client.get(s.donor.address, path, headers=headers, timeouts=timeout) as resp:
                 if resp.status != 200:
                     raise ProtocolError(f"manifest request answered {resp.status}: {await _error_text(resp)}")
                 body = await _read_bounded(resp, _MAX_MANIFEST_BYTES)
             manifest = decode(body, StateManifest, _MANIFEST_LIMITS)
             check_manifest(manifest, self.version, self.run_id, self.config)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, ProtocolError) as exc:
+        except (PeerUnreachable, ValueError, ProtocolError) as exc:
             self._drop(index, f"manifest: {_describe(exc)}", ban=isinstance(exc, LimitExceeded))
             raise _DonorOut from None
         return index, manifest
@@ -527,8 +526,8 @@ class _Fetcher:
         )
         want = end - start
         try:
-            async with self.session.get(
-                _url(s.donor, self.version.content_hash), headers=headers, timeout=timeout
+            async with self.client.get(
+                s.donor.address, _path(self.version.content_hash), headers=headers, timeouts=timeout
             ) as resp:
                 if resp.status == 503:
                     raise _Busy(_retry_after(resp.headers.get("Retry-After"), cfg.max_retry_after_s))
@@ -544,7 +543,7 @@ class _Fetcher:
                 if encoding not in ("identity", "zstd") or (encoding == "zstd" and not cfg.accept_zstd):
                     raise _Transient(f"sent Content-Encoding {encoding!r}, which was not asked for")
                 body = await _read_bounded(resp, want + (want >> 4) + 1024 if encoding == "zstd" else want)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, LimitExceeded) as exc:
+        except (PeerUnreachable, ValueError, LimitExceeded) as exc:
             raise _Transient(_describe(exc)) from None  # a donor's defect never escapes as a crash
         expected = job.manifest.range_sha256[index]
         return await asyncio.to_thread(self._check, body, encoding, want, expected)
@@ -623,7 +622,7 @@ async def _error_text(resp: aiohttp.ClientResponse) -> str:
         raw = await read_body(resp.content, _MAX_ERROR_BYTES, resp.content_length)
         body = decode(raw, ErrorBody)
         return body.error[:300]
-    except (BodyTooLong, ProtocolError, aiohttp.ClientError, TimeoutError):
+    except (BodyTooLong, ProtocolError, *NETWORK_ERRORS):
         return resp.reason or "no reason given"
 
 
@@ -635,7 +634,7 @@ def _retry_after(value: str | None, cap: float) -> float:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, TimeoutError) or (isinstance(exc, PeerUnreachable) and exc.timed_out):
         return "timed out"
     text = str(exc) or type(exc).__name__
     return text[:300]
