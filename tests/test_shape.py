@@ -310,3 +310,16 @@ def test_every_request_to_a_peer_goes_through_the_one_peer_client():
     assert opened, "found no session at all: the walk is broken"
     strays = [where for where in opened if where.split(":")[0] not in SESSION_OWNERS]
     assert not strays, f"HTTP sessions opened outside the tracker's and the peers' clients: {strays}"
+
+
+# ------------------------------------------------------------------ docs as references
+
+DOC_LINES = {"README.md": 200, "docs/benchmarks.md": 400}
+
+
+@pytest.mark.parametrize(("doc", "most"), DOC_LINES.items())
+def test_the_front_door_and_the_benchmarks_stay_references(doc, most):
+    """The README says what crowdtrain is, the two commands and where to read on; docs/benchmarks.md holds each
+    bench's current table (its history is in git): past these lengths they turn into logs again."""
+    lines = len((ROOT / doc).read_text(encoding="utf-8").splitlines())
+    assert lines <= most, f"{doc} is {lines} lines; at most {most}"
