@@ -213,3 +213,7 @@ async def test_a_member_lost_in_a_later_phase_leaves_the_others_one_mean_and_no_
         assert len(held) == 1, f"step {step}: the survivors hold {len(held)} different states"
     final = {rec.params[max(rec.params)].tobytes() for rec in recs if max(rec.params) == steps}
     assert len(final) == 1
+    # (and each volunteer said each phase once when it changed, not again: a catch-up's phases included)
+    for seen in events:
+        phases = [e.phase for e in seen if isinstance(e, ev.PhaseChanged)]
+        assert all(a != b for a, b in zip(phases, phases[1:])), phases

@@ -80,6 +80,7 @@ class Position:
 
     step: int  # the global step it accumulates for
     applied: int  # its parameters hold the averages of the steps below this one
+    phase: str = ""  # what it is doing, as last told (PhaseChanged)
 
 
 @dataclass(slots=True)
@@ -212,7 +213,11 @@ class JoinedRun:
         )
 
     def phase(self, phase: str) -> None:
-        self.emit(ev.PhaseChanged(phase=phase))
+        """Say what this volunteer does now, once: a phase it is already in is not said again (the plain lines
+        printed "phase: waiting-for-state" 27 times in a row)."""
+        if phase != self.pos.phase:
+            self.pos.phase = phase
+            self.emit(ev.PhaseChanged(phase=phase))
 
     async def record_params(self) -> None:
         """Hand ``record`` (if given) a copy of the parameters, which hold the steps below ``pos.applied``:
