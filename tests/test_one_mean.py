@@ -11,6 +11,7 @@ groups of 4). The volunteers' own test of the same rule is in ``test_volunteer_c
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import numpy as np
@@ -216,4 +217,4 @@ async def test_a_member_lost_in_a_later_phase_leaves_the_others_one_mean_and_no_
     # (and each volunteer said each phase once when it changed, not again: a catch-up's phases included)
     for seen in events:
         phases = [e.phase for e in seen if isinstance(e, ev.PhaseChanged)]
-        assert all(a != b for a, b in zip(phases, phases[1:])), phases
+        assert all(a != b for a, b in itertools.pairwise(phases)), phases

@@ -409,9 +409,6 @@ class Training:
             return
         run.phase("stepping")
         lr = await self.rounds.apply(rnd, rnd.mean, self.snaps.stepping)
-        if self.rounds.diverged:  # (its parameter round ended with another mean than the others')
-            self.rounds.diverged = False
-            self.catchup.round_failed()
         run.pos.applied = rnd.step + 1
         run.summary.steps_done += 1
         if rnd.weight > 0:

@@ -134,8 +134,6 @@ class Rounds:
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         self._mean_bufs: list[np.ndarray | None] = [None, None]  # the mean lands here, phase by phase
         self.checker = Checker(run)
-        # a parameter round ended with another mean here than the others' (RoundDiverged): fetch the state
-        self.diverged = False
 
     # ------------------------------------------------------------------ the round in the background
 
@@ -303,7 +301,8 @@ class Rounds:
         failures are returned, one phrase each. A parameter round zeroes nothing: one that lost a part is
         *spoiled*, says so in its later phases, and every member keeps its own parameters. A peer whose mean
         is not the others' (cut, told its failures too late, or a later phase lost with no verdicts) raises
-        :class:`RoundDiverged` and fetches the state."""
+        :class:`RoundDiverged` (a gradient round: it fetches the state; a parameter round: it keeps its own
+        parameters, healed by the next)."""
         run = self.run
         values, failed, spoiled = vector, [], False
         for i, a in enumerate(phases):
@@ -400,10 +399,6 @@ class Rounds:
         params = await asyncio.to_thread(run.trainer.flat_params)
         try:
             values, failed = await self._phases(phases, params, "params", reuse=False)
-        except RoundDiverged as exc:  # (the others apply a mean: this peer's parameters would not be theirs)
-            run.note(logging.WARNING, "parameter averaging: %s; this peer will fetch the state", exc)
-            self.diverged = True
-            return None
         except AveragingError as exc:
             run.note(logging.WARNING, "parameter averaging failed (%s); keeping local parameters", exc)
             return None
