@@ -13,7 +13,8 @@ that column's parts (``elsewhere``), and they zero those values too: the cluster
 a member of a later phase that lost a part fetched the run's state; when an owner of each column left mid-round,
 every volunteer did at once, and the run stood still: the churn soak, bench/churn.py.) A member whose input to the
 phase is not the mean (``spoiled``: a parameter round that lost a part before) tells the cluster so, and every
-member then keeps its own parameters (one whose report of it came late fetches the state).
+member then keeps its own parameters (as does one whose report of it came late: the next parameter round heals
+it).
 
 A member that reports after the union was given out (it was still waiting on an owner that died, say) still
 gets the union as it stands (its own parts in it), and the others do not learn of its parts: those of its

@@ -81,7 +81,8 @@ Conclude = Callable[[Round | None], Awaitable[None]]
 
 class RoundDiverged(AveragingError):
     """This peer's mean of a round is not the others' (it was cut, told of its failures too late, or lost a
-    later phase's part with no verdicts): it fetches the run's state."""
+    later phase's part with no verdicts): in a gradient round it fetches the run's state; in a parameter round
+    it keeps its own parameters."""
 
 
 @dataclass(slots=True)
@@ -326,9 +327,8 @@ class Rounds:
             if why is not None:
                 raise RoundDiverged(why)
             spoiled = spoiled or agreed.spoiled
-            zeroed = [
-                run.averager.bounds(a, result.values.size)[part] for part in agreed.lost
-            ] + agreed.ranges
+            bounds = run.averager.bounds(a, result.values.size) if agreed.lost else []
+            zeroed = [bounds[part] for part in agreed.lost] + agreed.ranges
             if zeroed and tag == "params":
                 spoiled = True
             elif zeroed:
