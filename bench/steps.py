@@ -302,7 +302,7 @@ class SimPeer:
                 self.changed.set()
 
     async def step(self, step: int) -> float:
-        """One full step (Training._work and _follow); returns when this volunteer had its assignment
+        """One full step (the training loop's turns and its follow, volunteer/loop.py); returns when this volunteer had its assignment
         (perf_counter)."""
         watch = asyncio.get_running_loop().create_task(self.watch(step))
         if self.allot is None or self.allot[0] != step:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -249,7 +250,7 @@ async def _stop_for(pid: int, seconds: float, told: str | None = None) -> None:
 class Oracle:
     """``--oracle``: the tracker in this process knows which volunteers are stopped (``asleep``). Installed
     around the tracker's own functions, its code unchanged: a peer asleep is past its time at once
-    (``backup._due``), spares open without the first peer done waiting while one asleep owes samples
+    (``policy._due``), spares open without the first peer done waiting while one asleep owes samples
     (``Spares.open`` with the waits at 0 for that call), and a close does not wait for its ready call
     (``collab.answer_wait``)."""
 
@@ -273,15 +274,15 @@ class Oracle:
         return joined[-1] if joined else None
 
     def install(self) -> None:
-        from crowdtrain.tracker import backup, collab
+        from crowdtrain.tracker import collab, policy
 
         if self._installed:
             return
         self._installed = True
         asleep, due, open_spares, answer_wait = (
             self.asleep,
-            backup._due,
-            backup.Spares.open,
+            policy._due,
+            policy.Spares.open,
             collab.answer_wait,
         )
 
@@ -291,17 +292,17 @@ class Oracle:
         def told_open(spares: Any, at_step: list, *rest: Any) -> int:
             if not any(s.peer_id in asleep and s.allotted > s.samples for s in at_step):
                 return open_spares(spares, at_step, *rest)
-            waits = backup.SPARE_WAIT_S, backup.SPARE_FRACTION
-            backup.SPARE_WAIT_S = backup.SPARE_FRACTION = 0.0
+            kept = policy.POLICY
+            policy.POLICY = dataclasses.replace(kept, spare_wait_s=0.0, spare_fraction=0.0)
             try:
                 return open_spares(spares, at_step, *rest)
             finally:
-                backup.SPARE_WAIT_S, backup.SPARE_FRACTION = waits
+                policy.POLICY = kept
 
         def told_wait(peer: Any, *rest: Any, **kw: Any) -> float:
             return 0.0 if peer.peer_id in asleep else answer_wait(peer, *rest, **kw)
 
-        backup._due, backup.Spares.open, collab.answer_wait = told_due, told_open, told_wait
+        policy._due, policy.Spares.open, collab.answer_wait = told_due, told_open, told_wait
 
 
 ORACLE = Oracle()

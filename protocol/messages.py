@@ -41,6 +41,7 @@ Version = Literal[1]
 # 5: parts of unequal sizes, by the owners' upload rates (GroupAssignment.part_weights).
 PEER_PROTOCOL = 5
 CodecName = Literal["none", "fp16", "bf16", "int8", "sparse", "int2"]
+CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MERKLE_STEP = r"^[lr][0-9a-f]{64}$"
@@ -147,10 +148,35 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # recomputed by another member (every-step mode with delay 0 and a codec that keeps every value; 0: never)
     spot_checks: float = 0.25
 
+    # What a mode implies, read by the tracker and the volunteer alike: the one place the delay and the mode
+    # are branched on outside the volunteer's cadence (volunteer/cadence.py) and its trainer's choice.
+
     @property
     def local(self) -> bool:
         """Local-steps mode: inner optimizer steps, an outer step per global step."""
         return self.inner_steps > 1
+
+    @property
+    def computes_ahead(self) -> bool:
+        """Delay 1: a peer done with its share of a step computes the next step's ahead, told how much."""
+        return self.delay == 1
+
+    @property
+    def spares(self) -> bool:
+        """Whether backup workers apply (docs/tracker.md): a step's rest is shared out once a peer falls behind.
+        Delay 0 and one inner step: computing ahead and local rounds have their own slack."""
+        return self.delay == 0 and not self.local
+
+    @property
+    def checkable(self) -> bool:
+        """Whether spot-checks can run: a member's gradient recomputed on the parameters it was computed on
+        (every-step mode, delay 0) and compared with the copy that arrived (a codec that keeps every value)."""
+        return not self.local and self.delay == 0 and self.codec in CHECKABLE_CODECS
+
+    @property
+    def spot_checked(self) -> bool:
+        """Whether this run draws spot-checks: asked for (``spot_checks`` > 0) and possible (:attr:`checkable`)."""
+        return self.spot_checks > 0 and self.checkable
 
     def averages_params(self, step: int) -> bool:
         """Whether the round of ``step`` averages the parameters too (every ``average_state_every`` steps;

@@ -20,7 +20,7 @@ MICRO = 8  # micro_batch_size, as in tests/sim.py's runs
 
 
 def ledger(target: int = 120, *, delay: bool = False, max_peer_share: float = 0.5, step: int = 0) -> Ledger:
-    return Ledger("run-test", target, MICRO, max_peer_share, step=step, delay=delay)
+    return Ledger("run-test", target, MICRO, max_peer_share, step=step, computes_ahead=bool(delay))
 
 
 def joined(book: Ledger, *names: str, now: float = 0.0) -> None:
@@ -284,7 +284,7 @@ def test_honest_peers_never_get_allotments_above_the_target_and_the_tally_stays_
     step claims none), closes, rounds formed (ready calls with samples ahead within the ahead share) and
     reopens: the kept tally equals the sum over the shares, and the peers at the step are never allotted
     more than the target between them (nor more than they hold, once what they hold is above it)."""
-    book = Ledger("run-test", target, MICRO, share, delay=delay)
+    book = Ledger("run-test", target, MICRO, share, computes_ahead=bool(delay))
     joined(book, *NAMES)
     now, closed = 0.0, False
     for o in ops:

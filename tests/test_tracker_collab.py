@@ -12,9 +12,9 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import TrackerError
 from crowdtrain.protocol.messages import AveragingSpec, RunSpec
-from crowdtrain.tracker.collab import answer_wait
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.peers import Peer, Share
+from crowdtrain.tracker.policy import answer_wait
 from crowdtrain.tracker.server import serve
 from tests.harness import until
 from tests.sim import PingServer, SimVolunteer, make_run_create
@@ -462,7 +462,7 @@ async def test_a_spare_left_untaken_by_a_peer_asleep_does_not_wake_every_watch_a
 
 
 def test_a_peer_is_awaited_at_a_close_for_its_own_answer_time_less_what_it_let_pass_unanswered():
-    """collab.answer_wait: gather_s until its answers were timed, then 4 × its slowest recent answer (at
+    """policy.answer_wait: gather_s until its answers were timed, then 4 × its slowest recent answer (at
     least 0.15 s, at most gather_s); a micro-batch more only while one may be in flight; and what it already
     let pass since spares asked every volunteer to report counts against it."""
     create = make_run_create(target_batch_size=64, averaging=AveragingSpec(gather_s=2.0))

@@ -12,7 +12,8 @@ from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.volunteer import catchup
 from crowdtrain.volunteer import events as ev
-from crowdtrain.volunteer.catchup import STATE_POLL_S, averages_needed
+from crowdtrain.volunteer.cadence import Cadence, Overlapped
+from crowdtrain.volunteer.catchup import STATE_POLL_S
 from crowdtrain.volunteer.config import VolunteerConfig
 from crowdtrain.volunteer.engine import Volunteer
 from crowdtrain.volunteer.state.config import StateConfig
@@ -126,13 +127,14 @@ def test_with_delay_1_a_state_as_new_as_the_peers_step_waits_for_a_newer_one():
     average: switching to the state then would leave it one average short for good (its optimizer state
     never again the others'). With delay 0 a newer state is simply the step to move to."""
     # delay 1, the peer at step 36 took part in 34 and 35 as a member with weight 0
-    assert list(averages_needed(34, 36, 1)) == [34, 35]  # 34 replayed, 35 applied at the close of 36
-    assert list(averages_needed(35, 36, 1)) == [35]
-    assert list(averages_needed(36, 36, 1)) == [36]  # not kept (the peer was in no round 36): wait
-    assert list(averages_needed(37, 36, 1)) == [37]
+    late, now = Overlapped(), Cadence()
+    assert list(late.averages_needed(34, 36)) == [34, 35]  # 34 replayed, 35 applied at the close of 36
+    assert list(late.averages_needed(35, 36)) == [35]
+    assert list(late.averages_needed(36, 36)) == [36]  # not kept (the peer was in no round 36): wait
+    assert list(late.averages_needed(37, 36)) == [37]
     # delay 0: the steps up to the peer's own, none for a state of its step or newer
-    assert list(averages_needed(34, 36, 0)) == [34, 35]
-    assert list(averages_needed(36, 36, 0)) == [] and list(averages_needed(37, 36, 0)) == []
+    assert list(now.averages_needed(34, 36)) == [34, 35]
+    assert list(now.averages_needed(36, 36)) == [] and list(now.averages_needed(37, 36)) == []
 
 
 @pytest.mark.timeout(120)

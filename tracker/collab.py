@@ -19,7 +19,7 @@ The rules volunteers rely on:
 * Peers call ``ready(step=N, weight)`` (a long-poll; before the close it just waits). After the close
   the tracker gathers ready calls until every online peer at step N is ready or its wait passed
   (:func:`answer_wait`: ``averaging.gather_s`` until the tracker has timed its answers to closes, then
-  ANSWER_FACTOR × its slowest recent answer, within [ANSWER_FLOOR_S, ``gather_s``]) — plus, for a
+  ``answer_factor`` × its slowest recent answer, within [``answer_floor_s``, ``gather_s``]: tracker/policy.py) — plus, for a
   contributor still computing, the time of one of its micro-batches (``micro_batch_size /
   samples_per_s``), at most ``round_timeout_s``. A round is never formed from
   ready peers that all have weight 0: the tracker waits for the contributors still on their way (at most
@@ -34,14 +34,14 @@ The rules volunteers rely on:
   global step does not advance.
 * **A straggler never holds a step**: a peer at the open step that still owes samples of its
   allotment and has said nothing for the tracker's ``straggler_intervals`` heartbeat intervals (1.5), at least
-  ``STRAGGLE_FLOOR_S`` (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
+  ``straggle_floor_s`` (tracker/policy.py) (a laptop asleep, a process frozen, a machine swapping; a live volunteer heartbeats
   every interval whatever it does) loses what it has not computed: it keeps the samples it reported, counts as
   computing nothing, and the rest is freed at once for the others (the step watches answer). At the close its
   ready call is gathered like anyone's (:func:`answer_wait`): a volunteer whose heartbeats were only late (an uplink
   full of its own all-reduce) still takes part. One asleep for longer hears, when it speaks again, that it
   missed the step, drops its work and catches up. The cost is the samples it computed since its last report.
   A *late* peer goes sooner (backup workers, :meth:`Ledger.overdue`): the others done and waiting half their
-  step, it past 1.5 × its own expected time and silent LATE_SILENT_S. Sooner still, *spares*
+  step, it past 1.5 × its own expected time and silent POLICY.late_silent_s. Sooner still, *spares*
   (:meth:`Ledger.open_spares`, delay 0): once every peer that owes samples is behind its own time, what the
   step lacks is allotted to the peers done with it (the step watches answer ``free``; every volunteer
   reports at once, and a covered one that does is cut to what it holds), so the step closes on its target
@@ -66,7 +66,6 @@ import time
 from collections.abc import Callable, Iterable
 
 from crowdtrain.protocol.addresses import Origin
-from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import SigningKey
 from crowdtrain.protocol.messages import (
     DonorList,
@@ -84,30 +83,13 @@ from crowdtrain.tracker.donors import Donors, StateRefused
 from crowdtrain.tracker.ledger import Ledger
 from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.peers import Peer, Share
+from crowdtrain.tracker.policy import POLICY, Gathering, answer_wait, answered
 from crowdtrain.tracker.rounds import Rounds, sign_round, step_record
 from crowdtrain.tracker.spotchecks import SpotChecks
 from crowdtrain.tracker.store import RunStore
 from crowdtrain.tracker.verdicts import Verdicts
 
 log = logging.getLogger("crowdtrain.tracker")
-# a peer at the open step that owes samples and said nothing for TrackerConfig.straggler_intervals heartbeat
-# intervals, and at least this long (a volunteer's event loop may lag behind its interval on a loaded machine),
-# is a straggler
-STRAGGLE_FLOOR_S = 2.0
-# a late peer (Ledger.overdue: the others done and waiting, it past 1.5 × its own expected time) is revoked
-# once it has said nothing for this long: one that spoke within it is computing, only slower than it said
-LATE_SILENT_S = 1.0
-# After a close, a pending peer whose answers the tracker has timed (:func:`answer_wait`) is waited for
-# ANSWER_FACTOR × its slowest recent answer (a decaying maximum: × ANSWER_DECAY a round; one answer raises it
-# ANSWER_GROWTH × at most), at least ANSWER_FLOOR_S and at most ``gather_s``. A live volunteer answers a
-# close within a round trip (its step watch wakes it, or its micro-batch in flight ends; on a home line its
-# answers are slower, and so is its wait); one that does not is asleep, and the others do not wait
-# ``gather_s`` for it.
-ANSWER_FACTOR = 4.0
-ANSWER_FLOOR_S = 0.15
-ANSWER_DECAY = 0.8
-ANSWER_GROWTH = 2.0
-
 NO_REACHABLE_PEER = (
     "this run has no reachable volunteer (all are in client mode or the tracker cannot connect to them), "
     "so no averaging group can be formed: the step waits and every volunteer keeps its gradients; one "
@@ -147,9 +129,8 @@ class RunState:
         # would miss the step.
         self.quiet_until = self.opened_at + quiet_s
         self.closed_at: float | None = None
-        self.gather_until = 0.0  # after the close: how long ready calls are gathered
         self.ready: dict[str, int] = {}  # ready peers' credited weights
-        self.pending: set[str] = set()  # after the close: peers whose ready call is awaited
+        self.gathering = Gathering()  # after the close: the peers whose ready call is awaited, until when
         self.changed = asyncio.Event()
         self.freed = 0  # how many times samples of the open step were freed (answers the step watches)
         self.reopened: set[str] = set()  # ready callers to answer "open" (no part owner was ready)
@@ -218,7 +199,7 @@ class RunState:
         free = self.ledger.offered
         self.ledger.remove(peer_id)
         self.freed_now(free)
-        self.pending.discard(peer_id)
+        self.gathering.pending.discard(peer_id)
         self.ready.pop(peer_id, None)
         self.reopened.discard(peer_id)
         return True
@@ -262,7 +243,7 @@ class RunState:
         peer.last_seen = now
         self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:
-            self.pending.add(peer.peer_id)
+            self.gathering.pending.add(peer.peer_id)
         self.maybe_close(time.time())
         if hb.eval is not None and hb.eval.step > peer.evaluated:  # (a retried heartbeat: counted once)
             peer.evaluated = hb.eval.step
@@ -315,8 +296,9 @@ class RunState:
             and p.peer_id not in self.ready
             and not self.ledger.written_off(p.peer_id)
         ]
-        self.pending = {p.peer_id for p in pending}
-        self.gather_until = now + min(gather_wait(self, pending), avg.round_timeout_s)
+        self.gathering.start(
+            now, {p.peer_id for p in pending}, min(gather_wait(self, pending), avg.round_timeout_s)
+        )
         self.maybe_form(now)
 
     def _any_owner(self) -> bool:
@@ -335,14 +317,14 @@ class RunState:
     def maybe_form(self, now: float) -> None:
         if self.closed_at is None:
             return
-        if self.pending and now < self.gather_until:
+        if self.gathering.waits(now):
             return
         if not any(w > 0 for pid, w in self.ready.items() if pid in self.peers):
             # nobody who computed anything is ready: a round now would step on nothing. Wait for the
             # contributors still on their way, for at most a round's timeout, then open the step again.
             contributors = any(
                 self.peers[pid].share.samples > 0 and self.peers[pid].share.step == self.global_step
-                for pid in self.pending
+                for pid in self.gathering.pending
                 if pid in self.peers
             )
             if contributors and now < self.closed_at + self.spec.averaging.round_timeout_s:
@@ -357,7 +339,7 @@ class RunState:
         self.closed_at = None
         self.ready = {}
         self.ledger.reopen()
-        self.pending = set()
+        self.gathering.clear()
         self._any_owner()
         self._wake()
 
@@ -382,7 +364,7 @@ class RunState:
             self.run_id,
             step,
             self.ready,
-            self.pending,
+            self.gathering.pending,
         )
         assignments = sign_round(
             self.signer, self.run_id, step, seed, candidates, phases, self.peers, self.spec.averaging, now
@@ -405,7 +387,7 @@ class RunState:
         self.opened_at = now
         self.closed_at = None
         self.ready = {}
-        self.pending = set()
+        self.gathering.clear()
         self.reopened = set()
         self.notice = None
         self.ledger.advance([c.peer_id for c in candidates], time.monotonic())
@@ -417,66 +399,51 @@ class RunState:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    async def wait_close(self, step: int, long_poll_s: float) -> StepWatch:
-        """The long-poll behind ``GET /step``: returns once ``step`` closed or passed, once samples of it were
-        freed while it waited (and are free still: ``free`` says how many), or after ``long_poll_s``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + long_poll_s
-        freed, free = self.freed, None
-        while not self.stopping:
-            if self.global_step > step or (self.global_step == step and self.closed_at is not None):
-                break
-            if self.freed != freed and self.global_step == step and self.ledger.offered > 0:
-                free = self.ledger.offered  # (freed, or spares opened, and not taken yet)
-                break
-            freed = self.freed
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            await wait_at_most(self.changed, remaining)
-        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None, free=free)
+    def watch_answer(self, step: int, freed_seen: int) -> StepWatch | None:
+        """What ``GET /step`` answers now, or None (wait for a change): ``step`` closed or passed, or samples
+        of it were freed since the watch saw ``freed_seen`` (and are free still: ``free`` says how many)."""
+        if self.global_step > step or (self.global_step == step and self.closed_at is not None):
+            return self.watch_now()
+        if self.freed != freed_seen and self.global_step == step and self.ledger.offered > 0:
+            # (freed, or spares opened, and not taken yet)
+            return StepWatch(global_step=self.global_step, step_closed=False, free=self.ledger.offered)
+        return None
 
-    async def ready_call(
-        self, peer: Peer, step: int, weight: int, long_poll_s: float, ahead: int
-    ) -> ReadyReply:
-        """``POST /ready`` of a registered peer: :meth:`wait_ready`, the peer seen when it asks and when it
-        is answered."""
+    def watch_now(self) -> StepWatch:
+        return StepWatch(global_step=self.global_step, step_closed=self.closed_at is not None)
+
+    def asked_ready(self, peer: Peer, step: int) -> None:
+        """``peer`` asks ``POST /ready`` (of ``step``): seen, and its answer to a close timed."""
         peer.last_seen = time.monotonic()
-        if step == self.global_step and self.closed_at is not None and peer.peer_id in self.pending:
-            answered(peer, time.time() - self.closed_at)
-        reply = await self.wait_ready(peer.peer_id, step, weight, long_poll_s, ahead)
-        if self.peers.get(peer.peer_id) is peer:
-            peer.last_seen = time.monotonic()
-        return reply
+        if step == self.global_step and self.closed_at is not None and peer.peer_id in self.gathering.pending:
+            answered(peer, time.time() - self.closed_at, time.monotonic())
 
-    async def wait_ready(
-        self, peer_id: str, step: int, weight: int, long_poll_s: float, ahead: int = 0
-    ) -> ReadyReply:
-        """The long-poll behind ``POST /ready``; bounded by ``long_poll_s``. ``ahead``: samples the peer
-        already computed for the next step (delay 1), counted for it when this step's round forms."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + long_poll_s
-        while True:
-            if self.stopping:
-                return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=1.0)
-            if step == self.global_step and peer_id in self.reopened:
-                self.reopened.discard(peer_id)
-                return ReadyReply(status="open", global_step=self.global_step, retry_after_s=0.0)
-            if step < self.global_step:
-                return self._formed_reply(peer_id, step)
-            if step == self.global_step:
-                self.ready[peer_id] = self.ledger.credit_ready(peer_id, step, weight, ahead, time.monotonic())
-                self.pending.discard(peer_id)
-                self.maybe_form(time.time())
-                if step < self.global_step:
-                    continue
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                if step == self.global_step and self.closed_at is None:
-                    # not listening any more: do not put it in a group unless it asks again
-                    self.ready.pop(peer_id, None)
-                return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=0.0)
-            await wait_at_most(self.changed, remaining)
+    def take_ready(self, peer_id: str, step: int, weight: int, ahead: int) -> ReadyReply | None:
+        """A ready call of ``step`` (``ahead``: samples the peer already computed for the next step, delay 1,
+        counted for it when this step's round forms), taken in: its answer, or None while it waits."""
+        if self.stopping:
+            return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=1.0)
+        if step == self.global_step and peer_id in self.reopened:
+            self.reopened.discard(peer_id)
+            return ReadyReply(status="open", global_step=self.global_step, retry_after_s=0.0)
+        if step == self.global_step:
+            first = not any(w > 0 for w in self.ready.values())
+            self.ready[peer_id] = self.ledger.credit_ready(peer_id, step, weight, ahead, time.monotonic())
+            self.gathering.pending.discard(peer_id)
+            if first and self.ready[peer_id] > 0 and self.closed_at is not None:
+                pending = [self.peers[p] for p in self.gathering.pending if p in self.peers]
+                self.gathering.again(
+                    time.time(), gather_wait(self, pending), self.spec.averaging.round_timeout_s
+                )
+            self.maybe_form(time.time())
+        return self._formed_reply(peer_id, step) if step < self.global_step else None
+
+    def ready_expired(self, peer_id: str, step: int) -> ReadyReply:
+        """A ready call's long-poll ended unanswered: not listening any more, it is put in no group unless it
+        asks again."""
+        if step == self.global_step and self.closed_at is None:
+            self.ready.pop(peer_id, None)
+        return ReadyReply(status="wait", global_step=self.global_step, retry_after_s=0.0)
 
     def _formed_reply(self, peer_id: str, step: int) -> ReadyReply:
         """A ready call for a step that formed: its assignments to a member of it, "missed" to anyone else."""
@@ -553,35 +520,6 @@ def gather_wait(run: RunState, pending: list[Peer]) -> float:
     )
 
 
-def answer_wait(
-    peer: Peer, step: int, spec: RunSpec, in_flight: bool = True, unanswered_s: float = 0.0
-) -> float:
-    """How long after a close the tracker gathers ready calls for ``peer`` (pending): ``gather_s`` while its
-    answers were never timed, else ANSWER_FACTOR × its slowest recent answer within [ANSWER_FLOOR_S,
-    ``gather_s``]; plus one of its micro-batches if it holds samples of the step and may be computing one
-    (``in_flight``, :meth:`Ledger.in_flight`: one in flight is finished before it says "ready"); less the
-    ``unanswered_s`` it has already let pass since it was asked to report (spares opened) and said nothing."""
-    share, gather_s = peer.share, spec.averaging.gather_s
-    wait = (
-        gather_s
-        if peer.answer_s is None
-        else min(gather_s, max(ANSWER_FLOOR_S, ANSWER_FACTOR * peer.answer_s))
-    )
-    if share.step == step and share.samples > 0 and share.samples_per_s > 0 and in_flight:
-        wait += spec.micro_batch_size / share.samples_per_s
-    return max(0.0, wait - unanswered_s)
-
-
-def answered(peer: Peer, delay: float) -> None:
-    """``peer`` said "ready" ``delay`` seconds after its step closed: timed, if it had reached its allotment
-    before the close (its answer is then a round trip, not a micro-batch and a round trip)."""
-    done_at = peer.share.done_at
-    if done_at >= 0 and time.monotonic() - done_at >= delay:
-        old = peer.answer_s
-        # (one answer from a peer that fell asleep at the close, then woke, raises it 2× at most)
-        peer.answer_s = delay if old is None else max(ANSWER_DECAY * old, min(delay, ANSWER_GROWTH * old))
-
-
 def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
     """What a heartbeat is told: the run's step and progress, where the peer is reached, and its shares."""
     return HeartbeatReply(
@@ -633,8 +571,8 @@ def _free_share(run: RunState, peer_id: str) -> int:
 
 def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
     """Free the unfinished allotments of ``run``'s peers at the open step that have said nothing for
-    ``silent_s``, or are late (:meth:`Ledger.overdue`) and silent for LATE_SILENT_S (the module docstring's
-    rule); returns their ids. (Beside :class:`RunState`: the tracker's upkeep calls it every STRAGGLE_CHECK_S.)"""
+    ``silent_s``, or are late (:meth:`Ledger.overdue`) and silent for POLICY.late_silent_s (the module docstring's
+    rule); returns their ids. (Beside :class:`RunState`: the tracker's upkeep calls it every ``straggle_check_s``.)"""
     if run.closed_at is not None or run.closed is not None:
         return []
     now = time.monotonic()
@@ -651,7 +589,9 @@ def revoke_stragglers(run: RunState, silent_s: float) -> list[str]:
         run.freed_now(0)  # (new offers, to other peers than the untaken ones: every watch answers)
     late = run.ledger.overdue(now)
     suspects = [p for p in run.peers.values() if p.last_seen < now - silent_s]
-    suspects += [run.peers[i] for i in late if now - LATE_SILENT_S > run.peers[i].last_seen >= now - silent_s]
+    suspects += [
+        run.peers[i] for i in late if now - POLICY.late_silent_s > run.peers[i].last_seen >= now - silent_s
+    ]
     revoked = []
     for peer in suspects:
         owed = _free_share(run, peer.peer_id)

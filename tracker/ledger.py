@@ -30,28 +30,13 @@ The rules (``docs/tracker.md``, "Collaborative steps", items 2 and 4):
   the peers that compute for the run (at the step, done with it, or at another step; an unknown rate at the
   mean, so room is left for peers that arrive). A ready call's samples ahead are credited up to that share
   or the step's weight, whichever is larger, and the share cap.
-* **Late** (backup workers). Once the peers done with the open step have waited half as long as
-  their step took (LATE_GRACE_S at least), a peer that still owes samples and is past LATE_FACTOR × the time
-  its rest should take at its rate, from when it last reported, plus LATE_GRACE_S, is late (:meth:`overdue`):
-  allotments follow rates, so an honest peer finishes with the others. The run revokes a late peer that is
-  also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing of the
-  step and has not spoken since is written off: the round does not wait for its ready call.
-* **Spares** (backup workers; delay 0, one inner step; the rule's code is
-  :mod:`crowdtrain.tracker.backup`'s, with the late rule's). Once the first peer done with the open
-  step has waited SPARE_WAIT_S (or SPARE_FRACTION of its step, whichever is longer) and *every* peer that
-  still owes samples is past the time its rest should have taken at its rate (from its last report, plus
-  SPARE_MARGIN_S or SPARE_FRACTION of that rest; one that has not reported at the step since its round
-  moved it there keeps its share: its round may still be under way), the peers that owe nothing (done with the step, or idle at
-  it with nothing allotted) are allotted what the step still lacks, by rate, each within its share cap and a
-  micro-batch at least, the fastest first until it is covered (:meth:`Ledger.open_spares`); again if a peer given spares falls behind in turn (a
-  peer that left its offer untaken gets none then). The allotments then sum above the target; the step
-  closes on whoever reaches it. A covered peer that reports again (its step watch answers, so a
-  live one reports at once) is allotted what it holds: it stops, and the spares compute its rest, so the
-  step still closes on its target. Nobody is left out for being covered: a frozen peer's ready call is
-  gathered like anyone's at the close, and what it computed is dropped only if it does not answer.
-  Sooner, when every peer that owes samples is on time but one began late (a catch-up, a spot-check) and
-  would keep the others waiting, its rest is *shared*: moved at once, in whole micro-batches, from the
-  peers that owe it to the peers done (:mod:`crowdtrain.tracker.backup`, "Shared rest").
+* **Late and spares** (backup workers): the rules and their constants are :mod:`crowdtrain.tracker.policy`'s;
+  the ledger applies them to its shares (:meth:`overdue`, :meth:`open_spares`). The run revokes a late peer
+  that is also silent (:func:`crowdtrain.tracker.collab.revoke_stragglers`); one revoked that holds nothing
+  of the step and has not spoken since is written off: the round does not wait for its ready call. Spares
+  put the allotments above the target; the step closes on whoever reaches it, and a covered peer that
+  reports again is allotted what it holds. Nobody is left out for being covered: a frozen peer's ready call
+  is gathered like anyone's at the close, and what it computed is dropped only if it does not answer.
 * **A new step.** When a round forms, each averaged peer moves to the next step holding what it computed
   ahead. Then three passes allot it: a peer that computes ahead first gets what it may have computed since
   its ready call (within its ahead share), then every peer its share by rate of what is left, then what no
@@ -66,9 +51,9 @@ from dataclasses import dataclass
 
 from crowdtrain.protocol.addresses import Origin
 from crowdtrain.protocol.messages import RunSpec
-from crowdtrain.tracker.backup import Spares, late
 from crowdtrain.tracker.origins import Origins
 from crowdtrain.tracker.peers import Share
+from crowdtrain.tracker.policy import Spares, late
 
 log = logging.getLogger("crowdtrain.tracker")
 
@@ -153,14 +138,14 @@ class Ledger:
         max_peer_share: float,
         *,
         step: int = 0,
-        delay: bool = False,
+        computes_ahead: bool = False,
         spares: bool = False,
     ) -> None:
         self.run_id = run_id  # (for the log)
         self.target = target
         self.micro_batch_size = micro_batch_size
         self.max_peer_share = max_peer_share
-        self.delay = delay  # delay 1: peers compute ahead, and are told how much they may
+        self.computes_ahead = computes_ahead  # (delay 1) peers compute ahead, and are told how much they may
         self.step = step
         self.tally = Tally()
         self._shares: dict[str, Share] = {}
@@ -180,8 +165,8 @@ class Ledger:
             spec.micro_batch_size,
             spec.averaging.max_peer_share,
             step=step,
-            delay=bool(spec.averaging.delay),
-            spares=not spec.averaging.delay and spec.averaging.inner_steps == 1,
+            computes_ahead=spec.averaging.computes_ahead,
+            spares=spec.averaging.spares,
         )
 
     def _changing(self, share: Share) -> _Change:
@@ -260,7 +245,7 @@ class Ledger:
         return max(0, self.free) + sum(self.spares.offered.values()) + sum(self.spares.moved.values())
 
     def overdue(self, now: float) -> list[str]:
-        """The peers late at the open step (:func:`crowdtrain.tracker.backup.late`)."""
+        """The peers late at the open step (:func:`crowdtrain.tracker.policy.late`)."""
         return late([s for s in self._shares.values() if s.step == self.step], now)
 
     def _mark_done(self, share: Share, now: float) -> None:
@@ -319,7 +304,7 @@ class Ledger:
         share.stopped = 0 < told <= share.samples and share.allotted <= share.samples
         if step_open:
             self._mark_done(share, now)
-        share.ahead_share = self._ahead_share(share) if self.delay else None
+        share.ahead_share = self._ahead_share(share) if self.computes_ahead else None
         return share
 
     def credit_ready(self, peer_id: str, step: int, weight: int, ahead: int, now: float) -> int:

@@ -45,6 +45,11 @@ class Run:
     def private(self) -> bool:
         return self.spec.join_policy == "token"
 
+    def mark_deleted(self) -> None:
+        """Its admin deleted it: its volunteers are answered 410, and its torrent is served no more."""
+        self.deleted = True
+        self.torrent = b""
+
     # ------------------------------------------------------------ what anyone may read of it
 
     def summary(self) -> RunSummary:
@@ -156,8 +161,7 @@ class Runs:
         run.state.close(now)
         self.store.delete_run(run.run_id)
         run.state.clear()
-        run.deleted = True
-        run.torrent = b""
+        run.mark_deleted()
         log.info("run %s deleted by the admin", run.run_id)
 
 

@@ -50,10 +50,11 @@ from crowdtrain.protocol.serving import bind_listeners, start_serving, stop_serv
 from crowdtrain.tracker.admin import Admin
 from crowdtrain.tracker.announce import AnnounceError, answer_announce, answer_scrape, failure, parse_announce
 from crowdtrain.tracker.auth import AdminAuthError, PeerAuth, check_admin
-from crowdtrain.tracker.collab import STRAGGLE_FLOOR_S, revoke_stragglers
+from crowdtrain.tracker.collab import revoke_stragglers
 from crowdtrain.tracker.config import TrackerConfig
 from crowdtrain.tracker.metrics import Metrics
 from crowdtrain.tracker.page import HISTORY_POINTS, index_html, run_html
+from crowdtrain.tracker.policy import POLICY
 from crowdtrain.tracker.reach import Checker
 from crowdtrain.tracker.replies import JSON, ApiError, error_reply, html_reply, json_reply, query_number
 from crowdtrain.tracker.runs import Run, Runs
@@ -66,7 +67,6 @@ log = logging.getLogger("crowdtrain.tracker")
 RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 SHUTDOWN_DRAIN_S = 5.0  # in-flight requests get this long to finish when the tracker stops
 LISTEN_BACKLOG = 1024  # connections waiting to be accepted (a crowd announcing at once)
-STRAGGLE_CHECK_S = 0.1  # how often each run looks for stragglers and spares (revoke_stragglers: O(peers))
 
 
 class TokenBucket:
@@ -210,13 +210,14 @@ class Tracker:
     async def _upkeep(self) -> None:
         """Close steps on their timeout, form groups after the gather window, expire silent peers."""
         last_expiry = last_straggle = 0.0
-        silent_s = max(self.config.straggler_intervals * self.config.heartbeat_interval_s, STRAGGLE_FLOOR_S)
+        silent_s = POLICY.silent_s(self.config.straggler_intervals, self.config.heartbeat_interval_s)
         while not self._stop.is_set():
             await wait_at_most(self._stop, 0.1)
             now = time.time()
             expire = time.monotonic() - last_expiry >= min(1.0, self.config.peer_ttl_s / 4)
             straggle = (
-                self.config.straggler_intervals > 0 and time.monotonic() - last_straggle >= STRAGGLE_CHECK_S
+                self.config.straggler_intervals > 0
+                and time.monotonic() - last_straggle >= POLICY.straggle_check_s
             )
             if straggle:
                 last_straggle = time.monotonic()

@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run...
 REJECTED_SHARE_TO_BAR = 0.1  # ...when they are at least this share of its checks
 UNANSWERED_TO_REJECT = 3  # unanswered checks in a row that count as a rejection
-CHECKABLE_CODECS = frozenset({"none", "fp16", "bf16", "int8"})  # codecs that send every value every round
 KEEP_STEPS = 8  # drawn checks await their verdicts this many steps (then they are forgotten)
 
 
@@ -83,8 +82,7 @@ class SpotChecks:
 
     @property
     def enabled(self) -> bool:
-        avg = self.spec.averaging
-        return avg.spot_checks > 0 and not avg.local and avg.delay == 0 and avg.codec in CHECKABLE_CODECS
+        return self.spec.averaging.spot_checked
 
     # ------------------------------------------------------------ drawing
 

@@ -50,6 +50,7 @@ from crowdtrain.tracker.reach import AddressError, resolve_address
 from crowdtrain.tracker.replies import ApiError, json_reply, query_number
 from crowdtrain.tracker.runs import Run
 from crowdtrain.tracker.spotchecks import VerdictRefused
+from crowdtrain.tracker.waits import ready_call, wait_close
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class Volunteers:
         peer = self._known(run, msg.peer_id)
         long_poll_s = self.config.long_poll_s
         wait_s = min(long_poll_s, query_number(request, "wait_s", float, 0.0, 3600.0, default=long_poll_s))
-        return json_reply(await run.ready_call(peer, msg.step, msg.weight, wait_s, msg.ahead))
+        return json_reply(await ready_call(run, peer, msg.step, msg.weight, wait_s, msg.ahead))
 
     async def leave(self, request: web.Request) -> web.Response:
         run, msg, _ = await self._signed(request, LeaveRequest)
@@ -455,4 +456,4 @@ class Volunteers:
         wait_s = min(
             self.config.long_poll_s, query_number(request, "wait_s", float, 0.0, 3600.0, default=0.0)
         )
-        return json_reply(await run.wait_close(step, wait_s))
+        return json_reply(await wait_close(run, step, wait_s))

@@ -10,9 +10,9 @@ fetching the whole state; where peers no longer keep one of them, it fetches the
 When the peers serving the run's state disagree (no state is listed) it loads nothing on a guess: it waits,
 computing nothing and taking no place in rounds, says so once, and asks again every few seconds.
 
-When no peer serves the run's state it resumes from its own kept state, the publisher's checkpoint, or the
-initial parameters while the run has taken no step; failing all it waits and says why: a run that has taken
-steps never restarts from the initial parameters.
+When no peer serves the run's state it resumes without one (:mod:`~crowdtrain.volunteer.resume`): from its
+own kept state, the publisher's checkpoint, or the initial parameters while the run has taken no step;
+failing all it waits and says why: a run that has taken steps never restarts from the initial parameters.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from crowdtrain.protocol.errors import DonorsDisagree, ProtocolError, StateSyncE
 from crowdtrain.protocol.messages import DonorList, replace
 from crowdtrain.volunteer.averaging.averages import KEEP_STEPS, fetch_average
 from crowdtrain.volunteer.joined import JoinedRun
-from crowdtrain.volunteer.rounds import Conclude, Round, Rounds
+from crowdtrain.volunteer.link import TrackerLink
+from crowdtrain.volunteer.resume import Landed, resume_alone
+from crowdtrain.volunteer.rounds import Round, Rounds
 from crowdtrain.volunteer.snapshotter import Snapshotter
 from crowdtrain.volunteer.state.fetch import fetch_state
 from crowdtrain.volunteer.state.snapshot import SnapshotHeader, read_snapshot_header
@@ -127,28 +129,15 @@ def steps_to_fetch(applied: int, step: int, kept: Container[int]) -> list[int]:
     return [s for s in range(applied, step) if s not in kept]
 
 
-def averages_needed(state_step: int, step: int, delay: int) -> range:
-    """The steps whose averages a peer at ``step`` must hold (kept as a member with weight 0) to switch to
-    the state of ``state_step``, which holds the averages of the steps below it. Delay 0: those up to its
-    step (a newer state: none; the peer moves to its step). Delay 1: up to the one applied when its step
-    closes, and at least ``state_step``'s own: the peers that wrote that snapshot had its round under way
-    (a snapshot is written as its step closes), and apply its average at the next close, as this peer
-    must; a state of this peer's step or newer is of no use until a newer one comes."""
-    if not delay:
-        return range(state_step, step)
-    return range(state_step, max(step, state_step + 1))
-
-
 class CatchUp:
-    """Fetching the run's state and replaying the steps that passed meanwhile.
+    """Fetching the run's state and replaying the steps that passed meanwhile. It never moves the peer's
+    position: :meth:`switch` says where the peer landed (:class:`Landed`) and the training loop moves there."""
 
-    ``drop`` drops the accumulated gradient (computed on parameters that are not the run's)."""
-
-    def __init__(self, run: JoinedRun, rounds: Rounds, snaps: Snapshotter, drop: Callable[[], int]) -> None:
+    def __init__(self, run: JoinedRun, rounds: Rounds, snaps: Snapshotter, link: TrackerLink) -> None:
         self.run = run
         self.rounds = rounds
         self.snaps = snaps
-        self._drop = drop
+        self.link = link
         self.replay = Replay(run.state_dir)
         self._pending: asyncio.Task[Path | OwnState | None] | None = None  # the fetch under way
         self.waiting: str | None = None  # why it waits for the run's state (no peer serves it), said once
@@ -188,13 +177,24 @@ class CatchUp:
         if self.run.config.catch_up:
             self.start()
 
-    async def keep(self, rnd: Round, mean: np.ndarray) -> None:
-        """Keep a finished round's average ``mean`` for the replay (delay 0: the parameters are averaged after the
-        step, here; a catching-up peer only receives)."""
+    async def keep(self, rnd: Round) -> None:
+        """Keep a round that ended while catching up: its average for the replay (delay 0: the parameters are
+        averaged after the step, here; a catching-up peer only receives); a failed one starts the fetch anew."""
+        if rnd.mean is None:
+            self.run.note(
+                logging.WARNING,
+                "averaging round of step %d failed (%s); this peer will fetch the state",
+                rnd.step,
+                rnd.error,
+            )
+            self.round_failed()
+            return
         params = rnd.params
-        if not self.run.delay and rnd.average_params:
-            params = await self.rounds.average_params(rnd.phases)
-        await asyncio.to_thread(self.replay.put, rnd.step, mean, params)
+        if params is None:  # (delay 0: averaged after the step)
+            params = await self.run.cadence.params_after_step(
+                rnd.average_params, lambda: self.rounds.average_params(rnd.phases)
+            )
+        await asyncio.to_thread(self.replay.put, rnd.step, rnd.mean, params)
 
     # ------------------------------------------------------------------ fetching
 
@@ -218,7 +218,7 @@ class CatchUp:
         not keep (as a member with weight 0) into the replay, each from two peers that agree, while peers still
         keep them. False when it cannot (it then fetches the state)."""
         run, replay = self.run, self.replay
-        if run.delay or not run.summary.steps_done:
+        if not run.cadence.replays_own_state or not run.summary.steps_done:
             return False
         size, spec = run.trainer.numel, run.spec.averaging
         for _ in range(2 * KEEP_STEPS):  # (the run moves on meanwhile; each pass fetches what it passed)
@@ -307,33 +307,34 @@ class CatchUp:
 
     # ------------------------------------------------------------------ switching to the fetched state
 
-    async def switch(self, conclude: Conclude) -> None:
+    async def switch(self) -> Landed | None:
         """Load the fetched state, then replay the averaged steps received meanwhile (between two steps;
         with delay 1, once no round is under way: :meth:`Rounds.settle`), so this peer holds what the others
-        hold."""
+        hold. Returns where it landed, or None (still catching up, or waiting)."""
         run, task = self.run, self._pending
         if task is None:  # (called once a fetch is done: there is one)
-            return
-        if run.delay and self.rounds.under_way:
-            await conclude(await self.rounds.take_round())  # kept for the replay: still catching up
+            return None
+        if self.rounds.under_way:  # (delay 1)
+            rnd = await self.rounds.take_round()
+            if rnd is not None:
+                await self.keep(rnd)  # kept for the replay: still catching up
             if self._pending is not task:
                 # that round failed: the replay was cleared and a new fetch is under way; this one is stale
                 stale = None if task.cancelled() or task.exception() else task.result()
                 if isinstance(stale, Path):
                     stale.unlink(missing_ok=True)
-                return
+                return None
         self._pending = None
         fetched: Path | OwnState | None = None
         try:
             fetched = task.result()
             if isinstance(fetched, OwnState):
-                await self._replay_own()
-                return
+                return await self._replay_own()
             header = None if fetched is None else await asyncio.to_thread(read_snapshot_header, fetched)
         except DonorsDisagree as exc:
             self.replay.clear()
             self._disagree(str(exc))
-            return
+            return None
         except (StateSyncError, TrackerError, ProtocolError) as exc:
             if isinstance(fetched, Path):
                 fetched.unlink(missing_ok=True)
@@ -342,12 +343,11 @@ class CatchUp:
             run.note(logging.WARNING, "state catch-up failed (%s); trying again", exc)
             await asyncio.sleep(1.0)
             self.start()
-            return
+            return None
         if fetched is None or header is None:
             self.replay.clear()
-            await self._no_donor()
-            return
-        await self._load(fetched, header)
+            return await self._no_donor()
+        return await self._load(fetched, header)
 
     def _disagree(self, reason: str) -> None:
         """The peers serving the run's state disagree, so the tracker lists none (honest volunteers hold the
@@ -363,18 +363,20 @@ class CatchUp:
             run.note(logging.WARNING, "%s", self.waiting)
         self.start(after_s=STATE_POLL_S)
 
-    async def _load(self, fetched: Path, header: SnapshotHeader) -> None:
+    async def _load(self, fetched: Path, header: SnapshotHeader) -> Landed | None:
         run, replay = self.run, self.replay
         # The parameters should hold the averages of the steps below ``target``; with delay 1 the average
         # of step ``target`` is applied when the current step closes, as every peer does.
-        target = max(0, run.pos.step - run.delay)
-        pending_step = target if run.delay and run.pos.step > 0 else None
-        missing = [s for s in averages_needed(header.step, run.pos.step, run.delay) if s not in replay]
+        cadence = run.cadence
+        target = max(0, run.pos.step - cadence.lag)
+        pending_step = cadence.pending(run.pos.step)
+        needed = cadence.averages_needed(header.step, run.pos.step)
+        missing = [s for s in needed if s not in replay]
         stalled, self._stalled = self._stalled, False
         if missing and stalled:
             # every peer that waits takes this same state and skips every average after it, kept or not: they
             # then hold the same bytes whatever each kept (those steps' progress is lost)
-            missing = list(averages_needed(header.step, run.pos.step, run.delay))
+            missing = list(needed)
             run.note(
                 logging.WARNING,
                 "the run has not stepped for %.0f s and no peer holds a state newer than step %d: resuming from "
@@ -396,7 +398,7 @@ class CatchUp:
             )
             self._older_than = header.step + 1
             self.start()
-            return
+            return None
         try:
             loaded = await self.snaps.load(fetched)
         finally:
@@ -405,17 +407,26 @@ class CatchUp:
         await self._replay_steps(loaded.step, target, skip=set(missing))
         if loaded.step > target:  # a state newer than this peer's step: move to the step it belongs to
             # (delay 0 only: with delay 1 such a state lacks an average this peer holds no copy of)
-            run.pos.step = run.pos.applied = loaded.step
+            landed = Landed(loaded.step, loaded.step, caught_up=True)
         else:
-            run.pos.applied = target
+            landed = Landed(run.pos.step, target, caught_up=True)
             if pending_step is not None and pending_step >= loaded.step and pending_step not in missing:
                 grad, params = await asyncio.to_thread(replay.take, pending_step)
                 self.rounds.hold(Round.replayed(pending_step, grad, params))  # applied when this step closes
-        await self._caught_up(
-            "loaded the state of step %d and replayed %d steps", loaded.step, max(0, target - loaded.step)
+        return self._caught_up(
+            landed,
+            "loaded the state of step %d and replayed %d steps",
+            loaded.step,
+            max(0, target - loaded.step),
         )
 
-    async def _replay_own(self) -> None:
+    def _drop(self) -> None:
+        """Drop the accumulated gradient and the ready call that would report it: computed on parameters that
+        are not the run's."""
+        self.link.cancel_ready()
+        self.rounds.drop()
+
+    async def _replay_own(self) -> Landed | None:
         """Replay the fetched and kept averages on this peer's own state (delay 0): it ends where the
         others are; if the run passed a step that is not in the replay, fetch again."""
         run, replay = self.run, self.replay
@@ -426,25 +437,22 @@ class CatchUp:
                 logging.INFO, "steps %s passed while their averages were fetched; fetching those too", missing
             )
             self.start()
-            return
+            return None
         self._drop()
         await self._replay_steps(first, target)
-        run.pos.applied = target
-        await self._caught_up(
+        return self._caught_up(
+            Landed(target, target, caught_up=True),
             "rejoined at step %d: replayed the averages of %d steps, fetched from peers, on its own state",
             target,
             target - first,
         )
 
-    async def _caught_up(self, message: str, *args: object) -> None:
-        """The end of a catch-up: the replay is spent, the parameters are recorded, the peer trains again."""
-        run = self.run
+    def _caught_up(self, landed: Landed, message: str, *args: object) -> Landed:
+        """The end of a catch-up: the replay is spent, the peer trains again from ``landed``."""
         self.replay.clear()
         self.waiting, self._older_than = None, 0
-        run.summary.caught_up_to = run.pos.step
-        await run.record_params()
-        run.note(logging.INFO, message, *args)
-        run.phase("training")
+        self.run.note(logging.INFO, message, *args)
+        return landed
 
     async def _replay_steps(self, first: int, end: int, skip: Container[int] = ()) -> None:
         """Apply the kept averages of steps ``first`` … ``end - 1`` to the loaded state (but those in ``skip``,
@@ -456,88 +464,26 @@ class CatchUp:
                 continue
             # read into the trainer's own gradient buffer (on a CPU): the replay holds no vector of its own
             grad, params = await asyncio.to_thread(replay.take, s, trainer.mean_buffer())
-            if run.delay and params is not None:
-                await asyncio.to_thread(trainer.set_flat_params, params)
-            await asyncio.to_thread(trainer.apply, grad, s)
-            if not run.delay and params is not None:
-                await asyncio.to_thread(trainer.set_flat_params, params)
+            await asyncio.to_thread(
+                run.cadence.apply, grad, s, params, trainer.apply, trainer.set_flat_params
+            )
 
     # ------------------------------------------------------------------ no peer serves the state
 
-    async def _no_donor(self) -> None:
-        """No peer serves the run's state. A peer that took steps of this run keeps its parameters. Otherwise
-        the state is this peer's own kept state of the run's step (:meth:`Snapshotter.keep`), else the
-        publisher's checkpoint (``--init-from``, the step gap told), else the initial parameters while the run
-        has taken no step. Failing all, the peer waits, computing nothing, and says why: a run that has taken
-        steps never restarts from the initial parameters."""
-        run = self.run
-        target = max(0, run.pos.step - run.delay)
-        kept = self.snaps.kept_header()  # (its JSON header only: small)
-        if run.summary.steps_done:
-            run.pos.applied = target
-            run.note(logging.WARNING, "no peer serves the run's state; keeping this volunteer's parameters")
-        elif kept is not None and target <= kept.step <= run.pos.step:
-            await self._load_kept(kept.step)
-        elif run.init_step is not None:
-            run.pos.applied = target
-            self._resume_checkpoint(target, run.init_step)
-        elif target == 0:
-            run.pos.applied = 0
-            run.note(logging.INFO, "the run has taken no step yet; training from the initial parameters")
-        else:
-            self._wait(target, kept)
-            return
-        self.waiting = None
-        await run.record_params()
-
-    def _resume_checkpoint(self, target: int, init_step: int) -> None:
-        run = self.run
-        gap = target - init_step
-        run.note(
-            logging.WARNING if gap else logging.INFO,
-            "no peer serves the run's state; resuming from the checkpoint %s of step %d%s",
-            run.config.init_from,
-            init_step,
-            f": the run is at step {target}, so the {gap} steps since are lost (and the optimizer's moments "
-            "start afresh)"
-            if gap > 0
-            else f", beyond the run's step {target}: its weights are taken as the run's state"
-            if gap < 0
-            else "",
-        )
-        self.snaps.serve_now()
-
-    def _wait(self, target: int, kept: SnapshotHeader | None) -> None:
-        run = self.run
+    async def _no_donor(self) -> Landed | None:
+        """No peer serves the run's state: resume without one (:func:`resume_alone`), or wait for one,
+        computing nothing, saying why once, asking again every WAIT_STATE_S."""
+        got = await resume_alone(self.run, self.snaps)
+        if isinstance(got, Landed):
+            if got.caught_up:  # (its own kept state loaded)
+                self._drop()
+            self.waiting = None
+            return got
         if self.waiting is None:
-            behind = (
-                f"; this volunteer's own kept state is of step {kept.step}, {target - kept.step} steps behind"
-                if kept is not None and kept.step < target
-                else ""
-            )
-            run_id = run.config.run_id
-            self.waiting = (
-                f"run {run_id} is at step {target} but no peer serves its state{behind}: waiting, "
-                "computing nothing, until a volunteer that kept it returns or the publisher restores a "
-                f"checkpoint (crowdtrain join {run_id} --init-from FILE)"
-            )
-            run.note(logging.WARNING, "%s", self.waiting)
+            self.waiting = got
+            self.run.note(logging.WARNING, "%s", got)
         self.start(after_s=WAIT_STATE_S)
-
-    async def _load_kept(self, step: int) -> None:
-        """Resume from this peer's own kept state (of the run's step): load it and serve it to others."""
-        run = self.run
-        await self.snaps.load(self.snaps.kept)
-        self._drop()
-        run.pos.applied = step
-        run.summary.caught_up_to = run.pos.step
-        run.note(
-            logging.INFO,
-            "no peer serves the run's state; resumed from this volunteer's own state of step %d (kept in %s)",
-            step,
-            self.snaps.kept,
-        )
-        self.snaps.serve_now()
+        return None
 
 
 async def newest_donors(

@@ -39,6 +39,7 @@ from crowdtrain.volunteer.averaging.allreduce import Averager
 from crowdtrain.volunteer.averaging.complaints import TrackerComplainer
 from crowdtrain.volunteer.averaging.config import AveragingConfig
 from crowdtrain.volunteer.averaging.cutting import tracker_referee
+from crowdtrain.volunteer.cadence import Cadence, cadence_of
 from crowdtrain.volunteer.config import VolunteerConfig, split_advertise
 from crowdtrain.volunteer.folder import data_folder, folder_key
 from crowdtrain.volunteer.local import make_trainer
@@ -73,6 +74,34 @@ class Summary:
     compute_share: float | None = None
     ended: str | None = None  # the tracker's sentence when the run was closed or deleted under it
 
+    def joined(self, peer_id: str, step: int) -> None:
+        self.peer_id, self.first_step = peer_id, step
+
+    def sent(self, sent: int, raw: int) -> None:
+        """An averaging round sent ``sent`` bytes on the wire, ``raw`` before compression."""
+        self.bytes_sent += sent
+        self.raw_bytes += raw
+
+    def stepped(self, loss: float | None) -> None:
+        self.steps_done += 1
+        if loss is not None:
+            self.losses.append(loss)
+
+    def missed(self) -> None:
+        self.steps_missed += 1
+
+    def caught_up(self, step: int) -> None:
+        self.caught_up_to = step
+
+    def end(self, sentence: str) -> None:
+        """The tracker closed or deleted the run under this volunteer, and said so."""
+        self.ended = sentence
+
+    def left(self, step: int, compute_share: float | None) -> None:
+        self.last_step = step
+        if compute_share is not None:
+            self.compute_share = compute_share
+
 
 @dataclass(slots=True)
 class Position:
@@ -81,6 +110,18 @@ class Position:
     step: int  # the global step it accumulates for
     applied: int  # its parameters hold the averages of the steps below this one
     phase: str = ""  # what it is doing, as last told (PhaseChanged)
+
+    def move(self, step: int, *, applied: int | None = None) -> None:
+        """To ``step`` (and its parameters to ``applied``): only the training loop moves a peer
+        (volunteer/loop.py; tests/test_shape.py holds it)."""
+        self.step = step
+        if applied is not None:
+            self.applied = applied
+
+    def say(self, phase: str) -> bool:
+        """Whether ``phase`` is news (then it is the phase)."""
+        news, self.phase = phase != self.phase, phase
+        return news
 
 
 @dataclass(slots=True)
@@ -96,11 +137,18 @@ class Volunteering:
     kept: StateVersion | None = None  # the state it kept on leaving, told to the tracker with the leave
     sleeps: Sleeps = field(default_factory=Sleeps)  # when this process was last asleep (suspend.py)
 
+    def use_key(self, key: SigningKey) -> None:
+        """Its data folder's key (the same volunteer joining again: the same identity)."""
+        self.key = key
+
+    def kept_state(self, version: StateVersion) -> None:
+        """The state it kept on leaving: told to the tracker with the leave."""
+        self.kept = version
+
     def emit_averaging(self, event: ev.Event) -> None:
         """The averager's ``emit``: its rounds' bytes count in the summary, then the event goes out."""
         if isinstance(event, ev.RoundDone):
-            self.summary.bytes_sent += event.bytes_sent
-            self.summary.raw_bytes += event.raw_bytes
+            self.summary.sent(event.bytes_sent, event.raw_bytes)
         self.emit(event)
 
 
@@ -151,9 +199,9 @@ class JoinedRun:
         return self.join.heartbeat_interval_s
 
     @property
-    def delay(self) -> int:
-        """The run's averaging.delay (0, or 1 with delayed updates)."""
-        return self.spec.averaging.delay
+    def cadence(self) -> Cadence:
+        """When a step's average is applied (the run's averaging.delay: volunteer/cadence.py)."""
+        return cadence_of(self.spec.averaging)
 
     @property
     def sampler_seed(self) -> int:
@@ -215,8 +263,7 @@ class JoinedRun:
     def phase(self, phase: str) -> None:
         """Say what this volunteer does now, once: a phase it is already in is not said again (the plain lines
         printed "phase: waiting-for-state" 27 times in a row)."""
-        if phase != self.pos.phase:
-            self.pos.phase = phase
+        if self.pos.say(phase):
             self.emit(ev.PhaseChanged(phase=phase))
 
     async def record_params(self) -> None:
@@ -337,7 +384,7 @@ async def join_run(me: Volunteering) -> AsyncIterator[JoinedRun]:
     """Join the run ``me.config`` names, holding its data folder (one volunteer per folder); on the way out
     stop accepting peers, tell the tracker, then close what talks to the network."""
     with data_folder(me.config.data_dir):
-        me.key = folder_key(me.config.data_dir)  # (the same volunteer joining again: the same identity)
+        me.use_key(folder_key(me.config.data_dir))  # (the same volunteer joining again: the same identity)
         async with _join(me) as run:
             yield run
 
@@ -377,8 +424,7 @@ async def _join(me: Volunteering) -> AsyncIterator[JoinedRun]:
             if torrent is not None:
                 await torrent.close()
             raise
-        me.summary.peer_id = join.peer_id
-        me.summary.first_step = join.global_step
+        me.summary.joined(join.peer_id, join.global_step)
         server.peer_id = join.peer_id
         async with _serving(me, built, tracker, torrent, server, join) as averager_and_state:
             averager, state_server, state_dir = averager_and_state

@@ -18,7 +18,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from crowdtrain.protocol.aio import wait_at_most
 from crowdtrain.protocol.credentials import verify_assignment
 from crowdtrain.protocol.errors import AveragingError, TrackerError
 from crowdtrain.protocol.messages import (
@@ -31,6 +33,11 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.joined import JoinedRun
+
+if TYPE_CHECKING:
+    from crowdtrain.volunteer.data import DataFeed
+    from crowdtrain.volunteer.meter import Meter
+    from crowdtrain.volunteer.rounds import Taken
 
 WATCH_S = 20.0  # long-poll for a step's close (the tracker may cap it)
 
@@ -61,6 +68,10 @@ class Allotment:
             return self.samples
         # a new step: wait (a round trip) for the allotment, unless the tracker is silent
         return None if time.monotonic() - self.since > silent_s else accumulated
+
+    def heard_ahead(self, ahead: int | None) -> None:
+        """The tracker's word on how much to compute ahead (None: half of each step's share)."""
+        self.ahead = ahead
 
     def ahead_cap(self, quota: int) -> int:
         """How many samples to compute ahead for the next step once this one's ``quota`` is computed: this
@@ -118,6 +129,26 @@ class TrackerLink:
         """Send the next heartbeat now."""
         self._now.set()
 
+    def report(self) -> None:
+        """At its share of the step: report it now (the reply carries its share of what is free then)."""
+        self.freed = False
+        self.poke()
+
+    def ask_for_freed(self) -> None:
+        """Samples of the step were freed since the last heartbeat: ask for a share of them."""
+        if self.freed:
+            self.freed = False
+            self.poke()
+
+    async def wait(self, at_most: float) -> None:
+        """Until the tracker's next reply (or ``at_most`` seconds)."""
+        await wait_at_most(self.changed, at_most)
+        self.changed.clear()
+
+    def forget_news(self) -> None:
+        """The step it was about was taken: wait for a fresh view of the new step."""
+        self.news = None
+
     # ------------------------------------------------------------------ heartbeats
 
     async def heartbeats(self) -> None:
@@ -131,7 +162,7 @@ class TrackerLink:
                 failures = 0
             except TrackerError as exc:
                 if exc.status == 410:  # the run was closed or deleted by its admin: nothing more to do
-                    run.summary.ended = str(exc)
+                    run.summary.end(str(exc))
                     run.note(logging.WARNING, "%s; leaving", exc)
                     run.me.stop.set()
                     return
@@ -150,7 +181,7 @@ class TrackerLink:
         reply = await run.tracker.heartbeat(run.config.run_id, hb, run.key, run.credential)
         if reply.global_step == hb.step == run.pos.step and reply.allotment is not None:
             self.allotment.heard(hb.step, reply.allotment)
-        self.allotment.ahead = reply.ahead_share
+        self.allotment.heard_ahead(reply.ahead_share)
         self._hear(reply.global_step, reply.step_closed)
         self._rate_unknown = reply.eta_s is None and not reply.step_closed and not reply.notice
         self._on_reply(reply)
@@ -299,7 +330,7 @@ class TrackerLink:
                 )
             except TrackerError as exc:
                 if exc.status == 410:  # closed under it: the heartbeats say so and stop the engine
-                    run.summary.ended = str(exc)
+                    run.summary.end(str(exc))
                     run.me.stop.set()
                     return None
                 run.note_tracker_failure("could not ask the tracker for a group (%s); training on", exc, exc)
@@ -333,3 +364,27 @@ class TrackerLink:
             # no reachable peer was ready: nothing was averaged; wait for a fresh view of the step
             self.news = None
         return Group(reply.status, [], reply.global_step)
+
+
+def progress_report(
+    run: JoinedRun, data: DataFeed, meter: Meter, catching_up: bool, early: Taken | None
+) -> Heartbeat:
+    """The heartbeat of a peer: what it computed for the step (its gradient ``early``, if taken), its rate and
+    figures. While catching up its gradients are computed on parameters that are not the run's: none count."""
+    return Heartbeat(
+        peer_id=run.peer_id,
+        step=run.pos.step,
+        samples=0 if catching_up else early.weight if early else run.trainer.samples,
+        # what it computes counts: not catching up, holding a chunk, not a backbone (with its share
+        # taken early, it computes for the next step: done with this one)
+        computing=not (catching_up or run.config.backbone) and data.sampler.ready and early is None,
+        backbone=run.config.backbone,
+        samples_per_s=meter.samples_per_s,
+        address=run.declared,
+        chunks_held=data.chunks_held,
+        loss=None if catching_up else meter.loss_ema,  # (computed while catching up: not the run's loss)
+        bt_port=data.bt_port(),
+        compute_share=meter.compute_share(),
+        eval=data.heldout.report,
+        upload_bps=run.averager.upload_bps,
+    )

@@ -16,7 +16,10 @@ import statistics
 import time
 from collections import deque
 
+from crowdtrain.volunteer import events as ev
+
 RATE_WINDOW = 16
+LOCAL_REPORT_S = 1.0  # a LocalTraining event at most this often
 # a micro-batch slower than this × the window's median time per sample is a stall, not the peer's rate
 STALL_FACTOR = 3.0
 
@@ -32,6 +35,8 @@ class Meter:
         # compute share: seconds computing gradients that entered an average, since the first micro-batch
         self._t0: float | None = None
         self._useful_s = 0.0
+        self._micro_batches = 0
+        self._last_report = 0.0
 
     def start(self, started: float) -> None:
         """A micro-batch starts (monotonic seconds): the compute share counts from the first."""
@@ -44,6 +49,23 @@ class Meter:
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         self._step_loss = (self._step_loss[0] + loss * samples, self._step_loss[1] + samples)
         self._window.append((samples, now - started))
+        self._micro_batches += 1
+
+    def local_report(
+        self, loss: float, samples: int, inner_steps: int | None, now: float
+    ) -> ev.LocalTraining | None:
+        """What the view is told of the training between steps, once every LOCAL_REPORT_S."""
+        if now - self._last_report < LOCAL_REPORT_S:
+            return None
+        self._last_report = now
+        return ev.LocalTraining(
+            loss=loss,
+            samples=samples,
+            samples_per_s=self.samples_per_s,
+            micro_batches=self._micro_batches,
+            inner_steps=inner_steps,
+            compute_share=self.compute_share(),
+        )
 
     @property
     def samples_per_s(self) -> float:

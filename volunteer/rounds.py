@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,9 +26,6 @@ from crowdtrain.volunteer.joined import JoinedRun
 from crowdtrain.volunteer.meter import Meter
 from crowdtrain.volunteer.spotcheck import Checker
 from crowdtrain.volunteer.trainer import all_finite
-
-if TYPE_CHECKING:
-    from crowdtrain.volunteer.link import TrackerLink
 
 
 @dataclass(slots=True)
@@ -74,9 +70,6 @@ class Round:
     def replayed(cls, step: int, mean: np.ndarray, params: np.ndarray | None) -> Round:
         """A round whose average arrived while catching up, to be applied when the current step closes."""
         return cls(step, [], 0, False, 0.0, None, time.monotonic(), mean=mean, params=params)
-
-
-Conclude = Callable[[Round | None], Awaitable[None]]
 
 
 class RoundDiverged(AveragingError):
@@ -141,19 +134,20 @@ class Rounds:
     def settled(self) -> bool:
         return self._task is None or self._task.done()
 
-    def may_take_early(self, quota: int, link: TrackerLink, catching_up: bool) -> bool:
+    def may_take_early(self, ahead_cap: int, notice: bool, catching_up: bool) -> bool:
         """Delay 1, its share of the step computed, the previous round done: the step's gradient can be
-        taken now and the next step's computed ahead (the parameters it needs are known)."""
+        taken now and the next step's computed ahead (the parameters it needs are known): ``ahead_cap``, what
+        it may compute ahead, is above 0 and the tracker reports no run-wide problem (``notice``)."""
         run = self.run
         max_steps = run.config.max_steps
         return (
-            bool(run.delay)
+            run.spec.averaging.computes_ahead
             and self.early is None
             and not catching_up
             and run.trainer.samples > 0
-            and link.allotment.ahead_cap(quota) > 0
+            and ahead_cap > 0
             and self.settled()
-            and not link.notice
+            and not notice
             # the run's last step for this peer: nothing comes after it to compute ahead for
             and (max_steps is None or run.pos.step + 1 < max_steps)
         )
@@ -196,36 +190,65 @@ class Rounds:
 
     # ------------------------------------------------------------------ one round
 
-    async def hand_over(self, catching_up: bool, conclude: Conclude) -> Taken:
-        """Take the step's gradient out of the accumulation. With delay 1 the previous step's average is
-        applied right after (its round is awaited first: it reads the buffer this gradient goes to)."""
+    async def hand_over(self, catching_up: bool) -> tuple[Taken, Round | None]:
+        """Take the step's gradient out of the accumulation; with delay 1, also the previous step's round (awaited
+        first: it reads the buffer this gradient goes to), whose average the caller applies next."""
         run = self.run
         trainer = run.trainer
         loss, compute_s = self.meter.take_step()
         weight = 0 if catching_up else trainer.samples
-        previous = await self.take_round() if run.delay else None
-        if (run.delay or trainer.device.type != "cpu") and self._grad_buf is None:
+        previous = await self.take_round()  # (delay 0: none is ever under way)
+        if run.cadence.own_grad_buffer(trainer.device.type) and self._grad_buf is None:
             # a reused float32 host buffer of the model's size (pinned on a GPU: device copies run async)
             pinned = trainer.device.type == "cuda"
             self._grad_buf = torch.empty(trainer.numel, dtype=torch.float32, pin_memory=pinned).numpy()
         # delay 1: the gradient goes to a buffer of its own (the next step accumulates meanwhile); on the
         # CPU without delay, the accumulation buffer itself is handed to the all-reduce (no copy)
         grad = await asyncio.to_thread(trainer.take_grad, self._grad_buf)
-        if previous is not None:
-            await conclude(previous)
         if catching_up:
             loss, compute_s = None, 0.0
-        return Taken(step=run.pos.step, weight=weight, compute_s=compute_s, loss=loss, grad=grad)
+        return Taken(step=run.pos.step, weight=weight, compute_s=compute_s, loss=loss, grad=grad), previous
 
-    def start(self, rnd: Round, grad: np.ndarray) -> None:
-        """Delay 1: average ``rnd`` in the background; it is applied when the next step closes."""
-        self._task = asyncio.get_running_loop().create_task(self.average(rnd, grad))
+    def keep_early(self, taken: Taken) -> None:
+        """Delay 1: ``taken`` is this step's gradient, taken once its share was computed; the next step's
+        micro-batches are computed meanwhile."""
+        self.early = taken
+
+    def take_early(self) -> Taken | None:
+        """The step's gradient taken early, if any, no longer held here."""
+        early, self.early = self.early, None
+        return early
+
+    def drop(self) -> int:
+        """Drop the accumulated gradient (and one taken early): it was computed on parameters that are not
+        the run's. Returns how many samples it held."""
+        early = self.take_early()
+        run = self.run
+        dropped = run.trainer.samples + (early.weight if early else 0)
+        run.trainer.reset_accumulation()
+        run.averager.samples.dropped(run.pos.step)
+        self.meter.drop_step()
+        return dropped
+
+    async def begin(self, rnd: Round, grad: np.ndarray) -> Round | None:
+        """Average ``rnd`` now, and return it (delay 0), or in the background (delay 1: None; it is taken and
+        applied when the next step closes)."""
+
+        async def now() -> Round:
+            self.run.phase("averaging")
+            return await self.average(rnd, grad)
+
+        def later() -> None:
+            self._task = asyncio.get_running_loop().create_task(self.average(rnd, grad))
+
+        return await self.run.cadence.begin(now, later)
 
     async def average(self, rnd: Round, grad: np.ndarray) -> Round:
         """All-reduce the step's gradient over its phases (and, with delay 1 on an averaging step, the
         parameters the gradient was computed on). A spot-check drawn for this peer is made once the round is
         over, before the average is applied (delay 0: the model still holds the step's parameters)."""
-        check = rnd.check if rnd.phases and not self.run.delay and not rnd.catching_up else None
+        checkable = self.run.spec.averaging.checkable
+        check = rnd.check if rnd.phases and checkable and not rnd.catching_up else None
         if check is not None:
             self.checker.wants(check, rnd.phases[0])
         try:
@@ -258,9 +281,33 @@ class Rounds:
                 "; ".join(failed),
             )
         rnd.mean = mean
-        if self.run.delay and rnd.average_params:
-            rnd.params = await self.average_params(rnd.phases)
+        rnd.params = await self.run.cadence.params_in_round(
+            rnd.average_params, lambda: self.average_params(rnd.phases)
+        )
         return rnd
+
+    async def step(self, rnd: Round, stepping: Callable[[], AbstractAsyncContextManager[None]]) -> None:
+        """Apply a finished round's average (see :meth:`apply`) and say so (StepDone)."""
+        run = self.run
+        assert rnd.mean is not None
+        run.phase("stepping")
+        lr = await self.apply(rnd, rnd.mean, stepping)
+        run.summary.stepped(rnd.loss)
+        if rnd.weight > 0:
+            self.meter.counted(rnd.compute_s)
+        run.emit(
+            ev.StepDone(
+                step=rnd.step,
+                lr=lr,
+                contributed_samples=rnd.weight,
+                group_samples=rnd.group_samples,
+                step_time_s=time.monotonic() - rnd.started,
+                loss=rnd.loss,
+                compute_s=rnd.compute_s,
+                compute_share=self.meter.compute_share(),
+                delayed=run.cadence.lag > 0,
+            )
+        )
 
     async def apply(
         self, rnd: Round, mean: np.ndarray, stepping: Callable[[], AbstractAsyncContextManager[None]]
@@ -270,18 +317,17 @@ class Rounds:
         the learning rate it was applied with."""
         run = self.run
         trainer = run.trainer
-        averages = run.averager.averages  # (delay 0: kept for peers that miss the step, who replay it)
-        kept = None if run.delay else await asyncio.to_thread(averages.copy, mean)
-        async with stepping():
-            if rnd.params is not None:  # delay 1: the averaged parameters this gradient was computed on
-                await asyncio.to_thread(trainer.set_flat_params, rnd.params)
-            lr = await asyncio.to_thread(trainer.apply, mean, rnd.step)
-        params = None
-        if not run.delay and rnd.average_params:
-            params = await self.average_params(rnd.phases)
-            if params is not None:
-                async with stepping():
-                    await asyncio.to_thread(trainer.set_flat_params, params)
+        cadence, averages = run.cadence, run.averager.averages
+        # (delay 0: the average is kept for peers that miss the step, who replay it)
+        kept = await asyncio.to_thread(averages.copy, mean) if cadence.keeps_averages() else None
+        async with stepping():  # (delay 1: with the averaged parameters this gradient was computed on)
+            lr = await asyncio.to_thread(
+                cadence.apply, mean, rnd.step, rnd.params, trainer.apply, trainer.set_flat_params
+            )
+        params = await cadence.params_after_step(rnd.average_params, lambda: self.average_params(rnd.phases))
+        if params is not None:
+            async with stepping():
+                await asyncio.to_thread(trainer.set_flat_params, params)
         if kept is not None:
             await asyncio.to_thread(averages.applied, rnd.step, kept, params)
         return lr
@@ -309,7 +355,7 @@ class Rounds:
         for i, a in enumerate(phases):
             [me] = [m for m in a.members if m.peer_id == run.peer_id]
             out = None
-            if not run.delay and tag == "grad":
+            if run.cadence.mean_in_place(tag):
                 out = values
             elif reuse:
                 buf = self._mean_bufs[i % 2]

@@ -184,7 +184,9 @@ class Snapshotter:
         except OSError as exc:
             run.note(logging.WARNING, "could not keep the state of step %d (%s)", applied, exc)
             return
-        run.me.kept = kept.version  # told with the leave: the tracker vouches for it, so it serves it again
+        run.me.kept_state(
+            kept.version
+        )  # told with the leave: the tracker vouches for it, so it serves it again
         run.note(
             logging.INFO,
             "kept the run's state of step %d in %s: joining again resumes from it if no peer serves a newer one",

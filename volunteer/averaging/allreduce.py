@@ -208,7 +208,7 @@ class Averager:
         assert output is not None
         if rnd.reducer is not None and tag == "grad" and assignment.round_id in self.wanted:
             # a spot-check of a member's copy of my part
-            rnd.reducer.keep, rnd.reducer.arrived = self.wanted.pop(assignment.round_id)
+            rnd.reducer.suspect(*self.wanted.pop(assignment.round_id))
         failed: dict[int, str] = {}
         cutter = self.cutter if len(assignment.members) > 1 else None
         await self.owner.open(rnd)

@@ -64,6 +64,18 @@ class Stats:
     answered_bytes: int = 0
     answers_acked: int = 0
 
+    def sent(self, sent: int, raw: int) -> None:
+        self.bytes_sent += sent
+        self.raw_bytes += raw
+
+    def answered(self, nbytes: int) -> None:
+        """This peer handed out ``nbytes`` of an answer (owner side)."""
+        self.answered_bytes += nbytes
+
+    def received(self, received: int, decode_s: float) -> None:
+        self.bytes_received += received
+        self.decode_s += decode_s
+
     def mark(self) -> None:
         """Answer bytes were handed out, or acknowledged, now."""
         t = time.perf_counter()

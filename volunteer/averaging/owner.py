@@ -256,7 +256,7 @@ class Owner:
             if terms:
                 receipt = red.receipt(list(rnd.members), rnd.shared)
                 signed = await asyncio.to_thread(receipt.signed, self.key, self.run_id, rnd.key)
-                red.witness.receipt_bytes = signed.to_bytes()
+                red.witness.signed(signed.to_bytes())
         finally:
             red.finish(reduce_s=time.perf_counter() - t)
 
@@ -312,8 +312,9 @@ class Owner:
             return
         await red.complete.wait()
         answered = len(red.outcome.accepted) - 1  # every accepted sender but me gets the frames
-        rnd.stats.bytes_sent += answered * sum(len(h) + len(b) for h, b in red.outcome.frames)
-        rnd.stats.raw_bytes += answered * 4 * (stop - start)
+        rnd.stats.sent(
+            answered * sum(len(h) + len(b) for h, b in red.outcome.frames), answered * 4 * (stop - start)
+        )
 
     def _take_buffer(self, nbytes: int) -> np.ndarray:
         """A byte buffer of ``nbytes``: the shortest spare that holds them, or a new one."""
@@ -424,7 +425,7 @@ class Owner:
                         rnd.stats.mark()
                         await response.write(header)
                         await response.write(body)
-                        rnd.stats.answered_bytes += len(header) + len(body)
+                        rnd.stats.answered(len(header) + len(body))
                         sent += 1
                     if red.witness.receipt_bytes is not None:  # (every frame is out: their receipt ends it)
                         await response.write(red.witness.receipt_bytes)
@@ -497,8 +498,7 @@ class Owner:
         except (asyncio.IncompleteReadError, ConnectionError, aiohttp.ClientPayloadError):
             red.gone(peer)  # (it cannot send this copy again: the part does not wait for it)
             raise _Refused(408, f"peer {peer} went away while sending part {red.part}") from None
-        rnd.stats.decode_s += time.perf_counter() - t
-        rnd.stats.bytes_received += nbytes
+        rnd.stats.received(nbytes, time.perf_counter() - t)
         weight = 1.0 if rnd.uniform else declared
         return Contribution(peer, weight, into, math.sqrt(norm2), storage=storage)
 

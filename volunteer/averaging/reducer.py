@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -100,6 +101,10 @@ class PartReducer:
     # what the answer's receipt states (protocol/receipts.py), gathered as each slice is reduced and encoded
     witness: Witness = field(default_factory=lambda: Witness())
 
+    def suspect(self, peer_id: str, arrived: asyncio.Event) -> None:
+        """A spot-check's suspect: keep ``peer_id``'s copy when the part closes, and set ``arrived`` once it is in."""
+        self.keep, self.arrived = peer_id, arrived
+
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
         already sent one: a duplicate, also after the part closed)."""
@@ -195,7 +200,7 @@ class PartReducer:
         """No more frames will come (all are in, or the round was abandoned); ``reduce_s``: how long
         reducing and encoding them took."""
         if reduce_s is not None and self.outcome is not None:
-            self.outcome.reduce_s = reduce_s
+            self.outcome = dataclasses.replace(self.outcome, reduce_s=reduce_s)
         self.complete.set()
         self.more.set()
 
@@ -336,6 +341,9 @@ class Witness:
                 self.term_dots[i] += float(np.dot(values[a:b], answer))
             else:
                 self.term_dots[i] += float(factor) * float(np.dot(values[a:b], answer))
+
+    def signed(self, receipt: bytes) -> None:
+        self.receipt_bytes = receipt
 
     def receipt(self, part: int, members: list[str], shared: bool) -> Receipt:
         """The receipt of the answer (unsigned), once every slice was added: a line per member of the round

@@ -236,8 +236,7 @@ class Sender:
                     return f"HTTP {resp.status}: {await self._error_text(resp)}"
                 t = time.perf_counter()
                 norm2, nbytes = await read_part(resp.content, self._coder, stop - start, into, receipt)
-                rnd.stats.decode_s += time.perf_counter() - t
-                rnd.stats.bytes_received += nbytes
+                rnd.stats.received(nbytes, time.perf_counter() - t)
         except ProtocolError as exc:
             return f"its answer was malformed: {exc}"
         except PeerUnreachable as exc:

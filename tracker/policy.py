@@ -1,29 +1,41 @@
-"""Backup workers: the rules that keep a step from waiting on a volunteer asleep, beside the
-ledger that keeps the shares (:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.md``, item 9).
+"""A step's waiting rules, with their constants in one frozen, validated :class:`StepPolicy`: when a peer is
+a straggler, late, behind (spares), or awaited at a close; beside the ledger that keeps the shares
+(:mod:`crowdtrain.tracker.ledger`; ``docs/tracker.md``, item 9). The rules are clock-free: each takes the
+time it is asked at.
 
-* **Late.** Once the peers done with the open step have waited (LATE_FACTOR - 1) × their step (at least
-  LATE_GRACE_S), a peer that still owes samples and is past LATE_FACTOR × what its rest should take at its
-  rate (plus LATE_GRACE_S) is late (:func:`late`); the run revokes it if it is also silent
-  (:func:`crowdtrain.tracker.collab.revoke_stragglers`).
-* **Spares** (delay 0, one inner step; :class:`Spares`). Once the first peer done with the open step has
-  waited SPARE_WAIT_S (or SPARE_FRACTION of its step) and a peer that still owes samples is behind its time
-  (from its last report at the step, by SPARE_MARGIN_S or SPARE_FRACTION of its rest), what the step still
-  lacks beyond the rest of the peers on time is offered to the peers that owe nothing, by rate, each within
-  its room and a micro-batch at least, the fastest first and to no more of them than cover what it lacks;
-  the peers on time keep their shares. The peers behind are covered
-  (one that reports is cut to what it holds), except one that has not reported at the step since its round
-  moved it there: it may still be in its round (held by a member asleep, or sending its answers up a home
-  line), so it keeps its share and is waited for at the close.
+* **Stragglers.** A peer at the open step that owes samples and said nothing for the tracker's
+  ``straggler_intervals`` heartbeat intervals (at least ``straggle_floor_s``: a volunteer's event loop may lag
+  behind its interval on a loaded machine) is revoked, as is one that is late (below) and silent for
+  ``late_silent_s`` (one that spoke within it is computing, only slower than it said); the tracker looks every
+  ``straggle_check_s`` (:func:`crowdtrain.tracker.collab.revoke_stragglers`).
+* **Late.** Once the peers done with the open step have waited (``late_factor`` - 1) × their step (at least
+  ``late_grace_s``), a peer that still owes samples and is past ``late_factor`` × what its rest should take at
+  its rate (plus ``late_grace_s``) is late (:func:`late`).
+* **Spares** (delay 0, one inner step: ``AveragingSpec.spares``; :class:`Spares`). Once the first peer done
+  with the open step has waited ``spare_wait_s`` (or ``spare_fraction`` of its step) and a peer that still
+  owes samples is behind its time (from its last report at the step, by ``spare_margin_s`` or
+  ``spare_fraction`` of its rest), what the step still lacks beyond the rest of the peers on time is offered
+  to the peers that owe nothing, by rate, each within its room and a micro-batch at least, the fastest first
+  and to no more of them than cover what it lacks; the peers on time keep their shares. The peers behind are
+  covered (one that reports is cut to what it holds), except one that has not reported at the step since its
+  round moved it there: it may still be in its round (held by a member asleep, or sending its answers up a
+  home line), so it keeps its share and is waited for at the close.
 * **Shared rest** (:meth:`Spares.open`, :meth:`Spares._share_rest`). A peer that owes samples may be on
   time and still far from done: it began the step late (back from a catch-up, or after recomputing a
   member's gradient for a spot-check). Once the first peer done has waited as above, every peer that owes
-  samples is on time and has reported at its step, and the last one is due more than STEAL_FRACTION of the
-  done peers' step ahead (STEAL_MIN_S at least), their rest (less what each computed since its last report
-  at its rate, and less the micro-batch each may have in flight) is moved at once to the peers done with
-  room for a micro-batch, in whole micro-batches by rate, fastest first, so that all finish together; the
-  owing peers are trimmed by what the helpers got, in proportion. Each hears its new allotment at its
+  samples is on time and has reported at its step, and the last one is due more than ``steal_fraction`` of
+  the done peers' step ahead (``steal_min_s`` at least), their rest (less what each computed since its last
+  report at its rate, and less the micro-batch each may have in flight) is moved at once to the peers done
+  with room for a micro-batch, in whole micro-batches by rate, fastest first, so that all finish together;
+  the owing peers are trimmed by what the helpers got, in proportion. Each hears its new allotment at its
   report (what was moved is announced on the step watches, so at once). Nothing computed is dropped: every
   sample computed before the close enters the round.
+* **Answer waits** (:func:`answer_wait`, :func:`answered`). After a close, a pending peer whose answers the
+  tracker has timed is waited for ``answer_factor`` × its slowest recent answer (a decaying maximum: ×
+  ``answer_decay`` a round; one answer raises it ``answer_growth`` × at most), at least ``answer_floor_s``
+  and at most ``gather_s``. A live volunteer answers a close within a round trip (its step watch wakes it, or
+  its micro-batch in flight ends; on a home line its answers are slower, and so is its wait); one that does
+  not is asleep, and the others do not wait ``gather_s`` for it.
 """
 
 from __future__ import annotations
@@ -31,25 +43,51 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
 
-if TYPE_CHECKING:
-    from crowdtrain.tracker.peers import Share
+from crowdtrain.protocol.errors import ConfigError
+from crowdtrain.protocol.messages import RunSpec
+from crowdtrain.tracker.peers import Peer, Share
 
-# A peer that owes samples is late (the rule above) past LATE_FACTOR × what its rest should take, plus
-# LATE_GRACE_S, once the peers done with the step have waited (LATE_FACTOR - 1) × their step, at least
-# LATE_GRACE_S.
-LATE_FACTOR = 1.5
-LATE_GRACE_S = 0.5
-# Spares (the rule above): the first peer done waits SPARE_WAIT_S, or SPARE_FRACTION of its step, and
-# a peer owing samples is behind once past its time by SPARE_MARGIN_S, or SPARE_FRACTION of its rest.
-SPARE_WAIT_S = 0.1
-SPARE_FRACTION = 0.15
-SPARE_MARGIN_S = 0.15
-# Shared rest (the rule above): the peers done would wait more than STEAL_FRACTION of their step (at least
-# STEAL_MIN_S) for the last peer on time.
-STEAL_FRACTION = 0.25
-STEAL_MIN_S = 0.25
+
+@dataclass(frozen=True, slots=True)
+class StepPolicy:
+    """The constants of a step's waiting rules (the module docstring says each rule); checked when made."""
+
+    straggle_floor_s: float = 2.0
+    straggle_check_s: float = 0.1
+    late_silent_s: float = 1.0
+    late_factor: float = 1.5
+    late_grace_s: float = 0.5
+    spare_wait_s: float = 0.1
+    spare_fraction: float = 0.15
+    spare_margin_s: float = 0.15
+    steal_fraction: float = 0.25
+    steal_min_s: float = 0.25
+    answer_factor: float = 4.0
+    answer_floor_s: float = 0.15
+    answer_decay: float = 0.8
+    answer_growth: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f.name, f"{value!r} must be a finite number, 0 or more")
+        if self.straggle_check_s <= 0:
+            raise ConfigError("straggle_check_s", "must be above 0 (the tracker looks this often)")
+        if self.late_factor < 1 or self.answer_growth < 1 or self.answer_factor < 1:
+            raise ConfigError("late_factor", "late_factor, answer_factor and answer_growth must be 1 or more")
+        for name in ("spare_fraction", "steal_fraction", "answer_decay"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(name, f"{getattr(self, name)} must be above 0 and at most 1")
+
+    def silent_s(self, intervals: float, heartbeat_interval_s: float) -> float:
+        """How long a peer at the open step that owes samples may say nothing before it is a straggler."""
+        return max(intervals * heartbeat_interval_s, self.straggle_floor_s)
+
+
+POLICY = StepPolicy()
 
 
 def late(at_step: list[Share], now: float) -> list[str]:
@@ -60,7 +98,7 @@ def late(at_step: list[Share], now: float) -> list[str]:
         return []
     last_done = max(s.done_at for s in finished)
     took = max(s.done_at - s.step_since for s in finished)
-    if now - last_done < max(LATE_GRACE_S, (LATE_FACTOR - 1) * took):
+    if now - last_done < max(POLICY.late_grace_s, (POLICY.late_factor - 1) * took):
         return []
     found = []
     for s in at_step:
@@ -68,9 +106,71 @@ def late(at_step: list[Share], now: float) -> list[str]:
         if not s.computing or owed <= 0 or s.samples_per_s <= 0:
             continue
         reported = max(s.counted_at, s.step_since)
-        if now - reported >= LATE_FACTOR * owed / s.samples_per_s + LATE_GRACE_S:
+        if now - reported >= POLICY.late_factor * owed / s.samples_per_s + POLICY.late_grace_s:
             found.append(s.peer_id)
     return found
+
+
+def answer_wait(
+    peer: Peer, step: int, spec: RunSpec, in_flight: bool = True, unanswered_s: float = 0.0
+) -> float:
+    """How long after a close the tracker gathers ready calls for ``peer`` (pending): ``gather_s`` while its
+    answers were never timed, else POLICY.answer_factor × its slowest recent answer within [POLICY.answer_floor_s,
+    ``gather_s``]; plus one of its micro-batches if it holds samples of the step and may be computing one
+    (``in_flight``, :meth:`Ledger.in_flight`: one in flight is finished before it says "ready"); less the
+    ``unanswered_s`` it has already let pass since it was asked to report (spares opened) and said nothing."""
+    share, gather_s = peer.share, spec.averaging.gather_s
+    wait = (
+        gather_s
+        if peer.answer_s is None
+        else min(gather_s, max(POLICY.answer_floor_s, POLICY.answer_factor * peer.answer_s))
+    )
+    if share.step == step and share.samples > 0 and share.samples_per_s > 0 and in_flight:
+        wait += spec.micro_batch_size / share.samples_per_s
+    return max(0.0, wait - unanswered_s)
+
+
+def answered(peer: Peer, waited_s: float, now: float) -> None:
+    """``peer`` said "ready" ``waited_s`` seconds after its step closed: timed, if it had reached its allotment
+    before the close (its answer is then a round trip, not a micro-batch and a round trip); ``now``: monotonic."""
+    done_at = peer.share.done_at
+    if done_at >= 0 and now - done_at >= waited_s:
+        old = peer.answer_s
+        # (one answer from a peer that fell asleep at the close, then woke, raises it 2× at most)
+        peer.answer_s = (
+            waited_s
+            if old is None
+            else max(POLICY.answer_decay * old, min(waited_s, POLICY.answer_growth * old))
+        )
+
+
+class Gathering:
+    """After a close, the ready calls gathered: the peers still awaited (``pending``) and until when."""
+
+    __slots__ = ("pending", "until")
+
+    def __init__(self) -> None:
+        self.pending: set[str] = set()
+        self.until = 0.0
+
+    def start(self, now: float, pending: set[str], wait_s: float) -> None:
+        self.pending, self.until = pending, now + wait_s
+
+    def clear(self) -> None:
+        self.pending = set()
+
+    def waits(self, now: float) -> bool:
+        """Whether ready calls are still awaited."""
+        return bool(self.pending) and now < self.until
+
+    def again(self, now: float, wait_s: float, most_s: float) -> None:
+        """The first ready call with samples came ``now``, after the gathering ended (the close waited for its
+        contributors: with delay 1 each says "ready" once its previous round ended, and a member gone from
+        that round holds every other member up alike): the others pending are gathered from now
+        (``wait_s``: their longest answer wait, at most ``most_s``), or the round would form with the first
+        alone and every other fall behind, fetching the state."""
+        if now >= self.until:
+            self.until = now + min(wait_s, most_s)
 
 
 class Spares:
@@ -98,7 +198,7 @@ class Spares:
         allotted: one back from a catch-up), by rate, each within its room (``room``: the share cap) and at
         least a micro-batch (``micro``) where its room allows, so a spare is never a sliver of one
         (:meth:`_offer`)."""
-        if missing <= 0 or now - self.last < SPARE_WAIT_S:
+        if missing <= 0 or now - self.last < POLICY.spare_wait_s:
             return 0
         idle = [
             s
@@ -114,7 +214,7 @@ class Spares:
         # the first peer done has waited a little (or a peer idle at the step since its last report)
         first = min(s.done_at if s.done_at >= 0 else s.counted_at for s in idle)
         took = min((s.done_at - s.step_since for s in done), default=0.0)
-        if now - first < max(SPARE_WAIT_S, SPARE_FRACTION * took):
+        if now - first < max(POLICY.spare_wait_s, POLICY.spare_fraction * took):
             return 0
         found = _owing(at_step, now)
         if found is None:
@@ -128,7 +228,7 @@ class Spares:
             # waiting long enough (those with room for a micro-batch): :meth:`settle` moves the samples
             helping = [s for s in idle if room(s) - s.samples >= micro]
             ahead = max(_due(s) for s in on_time) - now
-            if helping and ahead > max(STEAL_MIN_S, STEAL_FRACTION * took):
+            if helping and ahead > max(POLICY.steal_min_s, POLICY.steal_fraction * took):
                 self._share_rest(owing, helping, rates, now, micro, lambda s: room(s) - s.samples)
                 self.last = now
             return 0  # (else no spares: they would cut its share, and idle the others no less)
@@ -239,7 +339,9 @@ def _owing(at_step: list[Share], now: float) -> tuple[list[Share], list[Share], 
     owing = [s for s in at_step if s.computing and s.allotted > s.samples]
     if not owing or any(s.samples_per_s <= 0 for s in owing):
         return None
-    on_time = [s for s in owing if now < _due(s) + max(SPARE_MARGIN_S, SPARE_FRACTION * _rest(s))]
+    on_time = [
+        s for s in owing if now < _due(s) + max(POLICY.spare_margin_s, POLICY.spare_fraction * _rest(s))
+    ]
     if any(not s.begun for s in on_time):
         return None
     # one past its time that has not said it began the step may be asleep, or still in its round (sending
