@@ -135,6 +135,8 @@ class SwarmStats:
     chunks_total: int
     download_rate: float  # payload bytes/s
     upload_rate: float
+    # the swarm as the tracker counts it (its page too: every peer announced, this one included, and the seeds
+    # among them); until the tracker answered, the peers this session is connected to
     peers: int
     seeds: int
     downloaded: int  # payload bytes since this session added the torrent
@@ -225,13 +227,15 @@ class Download:
 
     def stats(self) -> SwarmStats:
         st = self.handle.status()
+        # (a swarm of seeds that all hold the data set connects to no one: connected, it read "0 peers")
+        counted = st.num_complete >= 0 and st.num_incomplete >= 0
         return SwarmStats(
             chunks_held=len(self.verified),
             chunks_total=self.chunks_total,
             download_rate=float(st.download_payload_rate),
             upload_rate=float(st.upload_payload_rate),
-            peers=int(st.num_peers),
-            seeds=int(st.num_seeds),
+            peers=int(st.num_complete + st.num_incomplete) if counted else int(st.num_peers),
+            seeds=int(st.num_complete) if counted else int(st.num_seeds),
             downloaded=int(st.total_payload_download),
             uploaded=int(st.total_payload_upload),
             progress=float(st.progress),

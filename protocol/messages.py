@@ -768,6 +768,29 @@ class RunStatus(Message, frozen=True, kw_only=True):
     inner_steps: int = 1
     codec: CodecName | None = None
     credits: list[CreditRecord] = []  # the credit ledger's leaders, most samples first
+    # the run as a whole: the steps its schedule spans, and the time to reach them at the recent steps' pace
+    # (None: fewer than two steps closed yet; 0: reached)
+    total_steps: int = 0
+    run_eta_s: float | None = None
+    spot_checked: bool = (
+        False  # the run draws spot-checks (AveragingSpec.spot_checked): their figures mean something
+    )
+
+    @property
+    def progress(self) -> float | None:
+        """The share of the schedule's steps taken."""
+        return min(1.0, self.global_step / self.total_steps) if self.total_steps > 0 else None
+
+
+def run_eta(global_step: int, total_steps: int, recent: list[StepRecord]) -> float | None:
+    """Seconds until ``total_steps`` at the pace of the ``recent`` steps (their closes' mean spacing); None when
+    fewer than two closed, 0 when reached."""
+    if global_step >= total_steps:
+        return 0.0
+    closes = sorted(r.closed_at for r in recent)
+    if len(closes) < 2 or closes[-1] <= closes[0]:
+        return None
+    return (total_steps - global_step) * (closes[-1] - closes[0]) / (len(closes) - 1)
 
 
 class ErrorBody(Message, frozen=True, kw_only=True):

@@ -118,6 +118,11 @@ async def test_two_downloaders_train_early_finish_verified_and_share_with_each_o
             view = ses_b.stats()
             assert (view.chunks_held, view.chunks_total, view.progress) == (n, n, 1.0)
             assert view.downloaded >= sum(c.bytes for c in pub.manifest.chunks)
+            # the swarm as the tracker (and its page) counts it: the seeder and both downloaders, not the peers
+            # this session happens to be connected to (seeds that all hold the data set connect to no one)
+            await until(
+                lambda: ses_b.stats().peers == 3, WAIT_S, "the tracker's count of the swarm", every_s=0.1
+            )
 
         # A trained on its first chunk while most of the torrent was still missing.
         assert a.first_batch_progress is not None and a.first_batch_progress < 0.5

@@ -16,6 +16,7 @@ import pytest
 from rich.console import Console
 
 from crowdtrain.protocol.errors import ConfigError, ProtocolError
+from crowdtrain.protocol.messages import replace as msgspec_replace
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.view.demo import DemoRow, render_demo
 from crowdtrain.volunteer.view.fmt import fmt_bytes, fmt_duration, fmt_eta, fmt_rate, fmt_ratio, fmt_uptime
@@ -474,6 +475,41 @@ def test_status_shows_each_peers_compute_share():
     assert alice[:end].endswith("87%") and bob[:end].endswith("—")
     back = decode(encode(status), RunStatus)  # what `status --json` prints
     assert [p.compute_share for p in back.peers] == [0.87, None]
+
+
+def test_status_shows_the_runs_way_to_its_schedules_end():
+    """``status`` (and the page, from the same RunStatus) says where the run stands on its schedule and when it
+    reaches its end at the recent steps' pace: the ETA shown before was the current step's alone."""
+    from crowdtrain.commands.status import format_status
+    from crowdtrain.protocol.messages import RunStatus, StepRecord, run_eta
+
+    def record(step: int, closed_at: float) -> StepRecord:
+        return StepRecord(
+            step=step, closed_at=closed_at, duration_s=1.0, samples=64, peers=2, groups=1, seed=0
+        )
+
+    recent = [record(s, 1000.0 + 40.0 * s) for s in (37, 38, 39)]  # a round every 40 s
+    assert run_eta(40, 100, recent) == 60 * 40.0
+    assert run_eta(100, 100, recent) == 0.0 and run_eta(40, 100, recent[:1]) is None
+    status = RunStatus(
+        run_id="r-1",
+        name="demo",
+        global_step=40,
+        samples=10,
+        target=64,
+        peers_online=2,
+        samples_per_s=1.6,
+        eta_s=30.0,
+        peers=[],
+        recent_steps=recent,
+        total_steps=100,
+        run_eta_s=run_eta(40, 100, recent),
+    )
+    assert status.progress == 0.4
+    line = next(line for line in format_status(status).splitlines() if line.startswith("  run "))
+    assert line.split(None, 1)[1] == "40 / 100 steps (40%), eta 40m 00s", line
+    done = format_status(msgspec_replace(status, global_step=100, run_eta_s=0.0))
+    assert "100 / 100 steps (100%), reached" in done
 
 
 def test_loss_history_and_log_tail_are_bounded():
@@ -999,6 +1035,59 @@ def test_local_steps_mode_is_named_on_joining_and_the_round_counts_its_inner_ste
     text = record(render(fold([script()[0], local_training(0.5)])))
     assert has(text, "this step 8 samples") and "this round" not in text
     for event in rounds:
+        assert parse_json_line(json_line(event)) == event
+
+
+def test_a_local_steps_round_reads_truthfully_in_the_view_and_the_plain_lines():
+    """Local-steps mode: the inner and the outer learning rate, the round's wall time and its averaging named
+    apart (the view said "step time 0.23 s" of rounds of about 40 s), the round's samples and inner steps; every
+    value in the live view and in the plain lines."""
+    joined = dataclasses.replace(script()[0], inner_steps=10, total_steps=1000)
+    inner = ev.LocalTraining(
+        t=T0 + 5,
+        loss=3.1,
+        samples=304,
+        samples_per_s=40.0,
+        micro_batches=19,
+        inner_steps=11,
+        inner_lr=0.003,
+        compute_share=0.91,
+    )
+    first = ev.StepDone(
+        t=T0 + 41,
+        step=0,
+        lr=0.7,
+        contributed_samples=400,
+        group_samples=1280,
+        step_time_s=0.4,
+        loss=3.0,
+        compute_share=0.93,
+        local=True,
+        wall_s=None,
+    )
+    second = dataclasses.replace(first, t=T0 + 81, step=1, step_time_s=0.6, wall_s=40.0)
+    text = record(render(fold([joined, inner])))
+    assert has(text, "this round 304 samples, 11 inner steps"), text
+    assert has(text, "compute 91%"), text  # (the round under way counts: it showed 0 % until it ended)
+    assert has(text, "lr inner 0.003 · outer —"), text
+    text = record(render(fold([joined, inner, first, second])))
+    assert has(text, "lr inner 0.003 · outer 0.7"), text
+    assert has(text, "round time 40.0 s") and has(text, "averaging 0.50 s"), text
+    assert "step time" not in text and has(text, "next round in"), text
+    assert has(text, "this round 0 samples, 0 inner steps"), text  # (a new round: it said 11 inner steps)
+    # the run's way to its schedule's end, at the rounds' wall time: 960 rounds of 40 s from step 40
+    assert has(text, "run 40/1000 steps, eta 10h 40m"), text
+    done = record(render(fold([dataclasses.replace(joined, total_steps=40), inner, first, second])))
+    assert has(done, "run 40/40 steps, reached"), done
+    assert "loss 3.1000, 304 samples and 11 inner steps this round, inner lr 0.003" in plain_line(inner)
+    line = plain_line(second)
+    assert "round 1 done: 400/1280 samples from this machine (31%)" in line, line
+    assert "outer lr 0.7, round 40.0 s, averaging 0.60 s, compute 93%" in line, line
+    # every-step mode keeps its words
+    text = record(render(fold([script()[0], dataclasses.replace(first, local=False)])))
+    assert has(text, "step time") and "round time" not in text and "inner" not in text, text
+    assert " step 0 done: " in plain_line(dataclasses.replace(first, local=False))
+    for event in (inner, second):
         assert parse_json_line(json_line(event)) == event
 
 

@@ -112,11 +112,22 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 second = await browse(url, tmp_path / "profile", "--dump-dom")
                 assert int(field(second, "step")) > shown
                 assert points(second, "loss-line") > points(first, "loss-line")
-                # the chart's label: the lowest, highest and last loss of its points, in that order
-                label = re.fullmatch(r"min (\S+) · max (\S+) · last (\S+)", field(second, "loss-label"))
+                # the chart's label: the steps it spans, the lowest, highest and last loss of its points
+                label = re.fullmatch(
+                    r"steps (\d+)–(\d+) · min (\S+) · max (\S+) · last (\S+)", field(second, "loss-label")
+                )
                 assert label, field(second, "loss-label")
-                lo, hi, last = map(float, label.groups())
-                assert lo <= last <= hi and lo < hi, label.group(0)
+                first_step, last_step = map(int, label.groups()[:2])
+                lo, hi, last = map(float, label.groups()[2:])
+                assert (
+                    first_step < last_step <= int(field(second, "step")) and lo <= last <= hi and lo < hi
+                ), label[0]
+                # the run's way to its schedule's end, with an ETA at the recent pace
+                total = run.spec.schedule.total_steps
+                progress = re.fullmatch(rf"(\d+) / {total} steps, eta (.+)", field(second, "run-progress"))
+                assert progress and progress[2] != "–", field(second, "run-progress")
+                # every-step mode with spot-checks: their columns are shown
+                assert 'class="checks">spot-checks passed' in second and 'class="checks" hidden' not in second
                 shot = tmp_path / "run-page.png"
                 await browse(url, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,1000")
                 image = shot.read_bytes()

@@ -66,6 +66,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <p id=notice class=notice></p>
 <div class=cards>
  <div class=card>global step<b id=step>–</b></div>
+ <div class=card>run<b id=run-progress>–</b><div class=bar><i id=run-bar style="width:0"></i></div></div>
  <div class=card>this step<b id=progress>–</b><div class=bar><i id=progress-bar style="width:0"></i></div></div>
  <div class=card>ETA<b id=eta>–</b></div>
  <div class=card>peers online<b id=peers-online>–</b></div>
@@ -90,7 +91,8 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <tbody></tbody></table>
 <h2>Credit ledger (what each volunteer key put into the averages)</h2>
 <table id=credits><thead><tr><th>volunteer key</th><th>samples averaged</th><th>steps</th><th>last step</th>
-<th>spot-checks passed</th><th>failed or accused</th><th>barred on proof</th></tr></thead><tbody></tbody></table>
+<th class=checks>spot-checks passed</th><th class=checks>failed or accused</th><th>barred on proof</th></tr></thead>
+<tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>
 <th>loss</th></tr></thead><tbody></tbody></table>
@@ -110,8 +112,16 @@ function row(cells) {
   for (const c of cells) { const td = document.createElement("td"); td.textContent = c; tr.appendChild(td); }
   return tr;
 }
-function curve(id, values, width, height) {
-  const pts = values.filter((v) => isFinite(v));
+function duration(s) {
+  if (s === null || !isFinite(s)) return "–";
+  if (s < 60) return num(s, 1) + " s";
+  if (s < 3600) return Math.floor(s / 60) + "m " + String(Math.floor(s % 60)).padStart(2, "0") + "s";
+  if (s < 86400) return Math.floor(s / 3600) + "h " + String(Math.floor(s % 3600 / 60)).padStart(2, "0") + "m";
+  return Math.floor(s / 86400) + "d " + String(Math.floor(s % 86400 / 3600)).padStart(2, "0") + "h";
+}
+function curve(id, values, width, height, steps) {
+  const kept = values.map((v, i) => [v, steps[i]]).filter((p) => isFinite(p[0]));
+  const pts = kept.map((p) => p[0]);
   const line = $(id + "-line");
   line.setAttribute("data-points", String(pts.length));
   if (!pts.length) { line.setAttribute("points", ""); return; }
@@ -119,7 +129,8 @@ function curve(id, values, width, height) {
   const step = pts.length > 1 ? (width - 20) / (pts.length - 1) : 0;
   line.setAttribute("points", pts.map((v, i) =>
     (10 + i * step).toFixed(1) + "," + (height - 10 - (v - lo) / span * (height - 30)).toFixed(1)).join(" "));
-  $(id + "-label").textContent = "min " + num(lo, 3) + " · max " + num(hi, 3) + " · last " + num(pts[pts.length - 1], 3);
+  $(id + "-label").textContent = "steps " + kept[0][1] + "–" + kept[kept.length - 1][1] + " · min " + num(lo, 3) +
+    " · max " + num(hi, 3) + " · last " + num(pts[pts.length - 1], 3);
 }
 async function get(path) {
   const r = await fetch(API + path, {cache: "no-store"});
@@ -141,6 +152,11 @@ async function refresh() {
     + str(HISTORY_POINTS)
     + """")]);
     text("step", String(st.global_step));
+    text("run-progress", st.total_steps ? st.global_step + " / " + st.total_steps + " steps, " +
+      (st.run_eta_s === 0 ? "reached" : "eta " + duration(st.run_eta_s)) : "–");
+    $("run-bar").style.width = (st.total_steps ? Math.min(100, 100 * st.global_step / st.total_steps) : 0) + "%";
+    // (no spot-check can run in this run's mode: their columns would only ever say 0)
+    for (const th of document.querySelectorAll(".checks")) th.hidden = !st.spot_checked;
     text("progress", st.samples + " / " + st.target);
     $("progress-bar").style.width = Math.min(100, 100 * st.samples / st.target) + "%";
     text("eta", st.eta_s === null ? "–" : num(st.eta_s, 1) + " s");
@@ -158,8 +174,9 @@ async function refresh() {
         p.bt_reachable === null ? "–" : (p.bt_reachable ? "reachable" : "not reachable")]));
     }
     const steps = hist.steps;
-    curve("loss", steps.map((s) => s.loss === null ? NaN : s.loss), 640, 200);
-    curve("throughput", steps.map((s) => s.duration_s > 0 ? s.samples / s.duration_s : NaN), 640, 120);
+    const stepNumbers = steps.map((s) => s.step);
+    curve("loss", steps.map((s) => s.loss === null ? NaN : s.loss), 640, 200, stepNumbers);
+    curve("throughput", steps.map((s) => s.duration_s > 0 ? s.samples / s.duration_s : NaN), 640, 120, stepNumbers);
     const recent = $("steps").tBodies[0]; recent.replaceChildren();
     for (const s of steps.slice(-10).reverse()) {
       recent.appendChild(row([s.step, num(s.duration_s, 2) + " s", s.samples, s.peers, s.groups, num(s.loss, 3)]));
@@ -168,11 +185,14 @@ async function refresh() {
     const last = st.evals.length ? st.evals[0] : null;
     text("held-out", last === null ? "–" : "loss " + num(last.loss, 3) + (metrics(last) ? ", " + metrics(last) : "")
       + " (step " + last.step + ")");
-    curve("eval", hist.evals.map((e) => e.loss), 640, 160);
+    curve("eval", hist.evals.map((e) => e.loss), 640, 160, hist.evals.map((e) => e.step));
     const evals = $("evals").tBodies[0]; evals.replaceChildren();
     for (const e of st.evals) evals.appendChild(row([e.step, num(e.loss, 4), metrics(e) || "–", e.reports]));
     const credits = $("credits").tBodies[0]; credits.replaceChildren();
-    for (const c of st.credits) credits.appendChild(row([c.public_key.slice(0, 16) + "…", c.samples, c.steps, c.last_step, c.verified, c.rejected, c.barred || "–"]));
+    for (const c of st.credits) {
+      const cells = [c.public_key.slice(0, 16) + "…", c.samples, c.steps, c.last_step, c.verified, c.rejected, c.barred || "–"];
+      credits.appendChild(row(st.spot_checked ? cells : cells.filter((_, i) => i !== 4 && i !== 5)));
+    }
     text("updated", new Date().toLocaleTimeString());
   } catch (e) { text("notice", "could not read the run's status (" + e.message + "); retrying"); }
 }

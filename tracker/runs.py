@@ -13,7 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from crowdtrain.protocol.credentials import SigningKey
-from crowdtrain.protocol.messages import CreditRecord, RunSpec, RunStatus, RunSummary, StepHistory, replace
+from crowdtrain.protocol.messages import (
+    CreditRecord,
+    RunSpec,
+    RunStatus,
+    RunSummary,
+    StepHistory,
+    replace,
+    run_eta,
+)
 from crowdtrain.tracker.collab import OnFormed, RunState
 from crowdtrain.tracker.store import RunStore
 from crowdtrain.tracker.swarm import Swarms
@@ -68,6 +76,8 @@ class Run:
         state = self.state
         swarm = swarms.by_hash.get(bytes.fromhex(state.spec.dataset.infohash))
         fastest = sorted(state.peers.values(), key=lambda p: p.share.samples_per_s, reverse=True)[:peers]
+        recent = state.store.history(state.run_id)
+        total = state.spec.schedule.total_steps
         return RunStatus(
             run_id=state.run_id,
             name=state.spec.name,
@@ -78,7 +88,7 @@ class Run:
             peers_online=len(state.peers),
             samples_per_s=state.ledger.tally.rate_sum,
             peers=[p.status() for p in fastest],
-            recent_steps=state.store.history(state.run_id),
+            recent_steps=recent,
             notice=state.closed or state.notice or state.state_notice(),
             closed_at=state.closed_at_time,
             swarm_seeds=swarm.seeders if swarm else 0,
@@ -87,6 +97,9 @@ class Run:
             inner_steps=state.spec.averaging.inner_steps,
             codec=state.spec.averaging.codec,
             credits=_with_bars(state.store.credits(state.run_id), state.store.bars(state.run_id)),
+            total_steps=total,
+            run_eta_s=run_eta(state.global_step, total, recent),
+            spot_checked=state.spec.averaging.spot_checked,
         )
 
     def history(self, limit: int) -> StepHistory:

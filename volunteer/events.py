@@ -47,6 +47,7 @@ class Joined(Event):
     codec: str
     inner_steps: int = 1  # > 1: local-steps mode, a global step is an outer round of this many inner steps
     backbone: bool = False  # join --backbone: it computes no gradients
+    total_steps: int = 0  # the steps the run's schedule spans (its way to the end; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -110,6 +111,10 @@ class StepDone(Event):
     # share of its wall time since its first micro-batch spent computing gradients that entered an average
     compute_share: float | None = None
     delayed: bool = False  # applied one step late (the run's ``averaging.delay`` is 1)
+    # local-steps mode: the step is an outer round (``lr`` is the outer learning rate, ``step_time_s`` the
+    # round's averaging and outer step), and ``wall_s`` the round's wall time, from the previous step applied
+    local: bool = False
+    wall_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,8 +143,11 @@ class LocalTraining(Event):
     samples: int  # accumulated toward the current step
     samples_per_s: float
     micro_batches: int  # total so far
-    compute_share: float | None = None  # as in StepDone
+    # as in StepDone, counting the step under way too (its gradients enter the average if its round succeeds):
+    # a local-steps round is long, and its first showed 0 % until it ended
+    compute_share: float | None = None
     inner_steps: int | None = None  # local-steps mode: inner steps taken in this round so far
+    inner_lr: float | None = None  # local-steps mode: the inner optimizer's learning rate now
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -257,6 +257,7 @@ class JoinedRun:
                 codec=spec.averaging.codec,
                 inner_steps=spec.averaging.inner_steps,
                 backbone=self.config.backbone,
+                total_steps=spec.schedule.total_steps,
             )
         )
 

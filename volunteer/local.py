@@ -94,6 +94,7 @@ class LocalTrainer(Trainer):
         )
         for group in self.inner.param_groups:
             group["lr"] = lr
+        self.inner_lr = lr
         self.inner.step()
         self.inner_taken += 1
         self._clear()

@@ -182,7 +182,7 @@ class Training:
         self.meter.computed(n, loss, started, now)
         if not self.catchup.active:  # (computed on parameters that are not the run's: not the run's samples)
             self.rounds.computed(batch.provenance, loss)
-        report = self.meter.local_report(loss, trainer.samples, trainer.inner_taken, now)
+        report = self.meter.local_report(loss, trainer.samples, trainer.inner_taken, trainer.inner_lr, now)
         if report is not None:
             run.emit(report)
 

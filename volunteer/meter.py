@@ -52,7 +52,7 @@ class Meter:
         self._micro_batches += 1
 
     def local_report(
-        self, loss: float, samples: int, inner_steps: int | None, now: float
+        self, loss: float, samples: int, inner_steps: int | None, inner_lr: float | None, now: float
     ) -> ev.LocalTraining | None:
         """What the view is told of the training between steps, once every LOCAL_REPORT_S."""
         if now - self._last_report < LOCAL_REPORT_S:
@@ -64,7 +64,8 @@ class Meter:
             samples_per_s=self.samples_per_s,
             micro_batches=self._micro_batches,
             inner_steps=inner_steps,
-            compute_share=self.compute_share(),
+            inner_lr=inner_lr,
+            compute_share=self.compute_share(pending=True),
         )
 
     @property
@@ -91,10 +92,11 @@ class Meter:
         """``compute_s`` seconds of compute entered an applied average."""
         self._useful_s += compute_s
 
-    def compute_share(self) -> float | None:
+    def compute_share(self, *, pending: bool = False) -> float | None:
         """Share of the wall time since the first micro-batch spent computing gradients that entered an
-        average (a step applied with this peer's samples in it)."""
+        average (a step applied with this peer's samples in it); ``pending``: and those of the step under way."""
         if self._t0 is None:
             return None
         elapsed = time.monotonic() - self._t0
-        return min(1.0, self._useful_s / elapsed) if elapsed > 0 else None
+        useful = self._useful_s + (self._step_compute_s if pending else 0.0)
+        return min(1.0, useful / elapsed) if elapsed > 0 else None

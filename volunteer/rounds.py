@@ -128,6 +128,7 @@ class Rounds:
         self._grad_buf: np.ndarray | None = None  # delay 1 (or a GPU): the gradient handed to the all-reduce
         self._mean_bufs: list[np.ndarray | None] = [None, None]  # the mean lands here, phase by phase
         self.checker = Checker(run)
+        self._applied_at: float | None = None  # when the last step was applied (monotonic)
 
     # ------------------------------------------------------------------ the round in the background
 
@@ -295,6 +296,8 @@ class Rounds:
         run.summary.stepped(rnd.loss)
         if rnd.weight > 0:
             self.meter.counted(rnd.compute_s)
+        now = time.monotonic()
+        wall_s, self._applied_at = (None if self._applied_at is None else now - self._applied_at), now
         run.emit(
             ev.StepDone(
                 step=rnd.step,
@@ -306,6 +309,8 @@ class Rounds:
                 compute_s=rnd.compute_s,
                 compute_share=self.meter.compute_share(),
                 delayed=run.cadence.lag > 0,
+                local=run.spec.averaging.local,
+                wall_s=wall_s,
             )
         )
 

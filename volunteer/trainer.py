@@ -95,6 +95,7 @@ class Trainer:
 
     # optimizer steps taken since the last global step: none here (the local-steps trainer takes inner ones)
     inner_taken: int | None = None
+    inner_lr: float | None = None  # the inner steps' learning rate (local steps), as last taken
 
     def __init__(
         self,

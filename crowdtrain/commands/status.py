@@ -41,11 +41,20 @@ def mode(status) -> str:  # status: RunStatus
     return f"every step averages a gradient{codec}"
 
 
+def _run_progress(status) -> str:  # status: RunStatus
+    """The run's way to the schedule's end: ``12 / 1,000 steps (1 %), eta 3h 12m``."""
+    if not status.total_steps:
+        return "-"
+    eta = "reached" if status.run_eta_s == 0 else f"eta {fmt_eta(status.run_eta_s)}"
+    return f"{status.global_step:,} / {status.total_steps:,} steps ({fmt_percent(status.progress)}), {eta}"
+
+
 def format_status(status) -> str:  # status: RunStatus
     lines = [
         f"run {status.run_id} ({printable(status.name)})",
         f"  mode          {mode(status)}",
         f"  global step   {status.global_step}",
+        f"  run           {_run_progress(status)}",
         f"  samples       {status.samples:,} / {status.target:,} ({100 * status.samples / max(status.target, 1):.0f} %)",
         f"  eta           {fmt_eta(status.eta_s, status.samples_per_s)}",
         f"  peers online  {status.peers_online}",

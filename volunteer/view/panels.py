@@ -17,7 +17,8 @@ class RecentStep:
     step: int
     contributed: int
     group: int
-    step_time_s: float
+    step_time_s: float  # its averaging and step (in local-steps mode: of the outer round)
+    wall_s: float | None = None  # from the previous step applied to this one
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,7 @@ class Collab:
     peers_online: int = 0
     run_samples_per_s: float = 0.0
     eta_s: float | None = None
+    total_steps: int = 0  # the run's schedule spans these steps (0: unknown)
 
     @property
     def target_fraction(self) -> float | None:
@@ -74,7 +76,9 @@ class Training:
     """This machine's training: its step, loss, speed, and its record over the steps it took part in."""
 
     local_step: int | None = None
-    lr: float | None = None
+    lr: float | None = None  # in local-steps mode the outer learning rate
+    inner_lr: float | None = None  # local-steps mode: the inner optimizer's
+    local: bool = False  # a local-steps run: a step is an outer round of inner steps
     loss: float | None = None
     loss_history: tuple[float, ...] = ()
     # the newest held-out evaluation (the run's eval split): (step, loss, metrics)
@@ -93,10 +97,16 @@ class Training:
 
     @property
     def step_time_s(self) -> float | None:
-        """Mean wall time of the recent steps."""
+        """Mean averaging time (the all-reduce and the step) of the recent steps."""
         if not self.recent_steps:
             return None
         return sum(s.step_time_s for s in self.recent_steps) / len(self.recent_steps)
+
+    @property
+    def wall_s(self) -> float | None:
+        """Mean wall time of the recent steps (from one applied to the next)."""
+        walls = [s.wall_s for s in self.recent_steps if s.wall_s is not None]
+        return sum(walls) / len(walls) if walls else None
 
     @property
     def contribution_share(self) -> float | None:

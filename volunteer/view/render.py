@@ -36,7 +36,7 @@ from crowdtrain.volunteer.view.fmt import (
     short_id,
 )
 from crowdtrain.volunteer.view.lines import stamp
-from crowdtrain.volunteer.view.panels import Training
+from crowdtrain.volunteer.view.panels import Collab, Training
 from crowdtrain.volunteer.view.sentences import round_trouble
 from crowdtrain.volunteer.view.state import ViewState
 
@@ -189,11 +189,37 @@ def collaboration_rows(state: ViewState) -> list[Row]:
         peers += " (this machine is not reachable)"
     return [
         ("global step", _value(MISSING if c.global_step is None else str(c.global_step))),
+        ("run", _value(_run_text(c, state.training))),
         ("batch", _with_bar(c.target_fraction, target)),
         ("peers online", _value(peers)),
         ("run speed", _value(fmt_speed(c.run_samples_per_s))),
-        ("step time", _value(fmt_duration(state.training.step_time_s))),
-        ("next step in", _value(fmt_eta(c.eta_s, c.run_samples_per_s))),
+        *_step_time_rows(state.training),
+        (
+            "next round in" if state.training.local else "next step in",
+            _value(fmt_eta(c.eta_s, c.run_samples_per_s)),
+        ),
+    ]
+
+
+def _run_text(c: Collab, t: Training) -> str:
+    """The run's way to its schedule's end, with an ETA at this peer's recent pace: ``40/100 steps, eta 40m``."""
+    if not c.total_steps or c.global_step is None:
+        return MISSING
+    if c.global_step >= c.total_steps:
+        return f"{c.global_step}/{c.total_steps} steps, reached"
+    wall = t.wall_s
+    eta = MISSING if wall is None else fmt_eta((c.total_steps - c.global_step) * wall)
+    return f"{c.global_step}/{c.total_steps} steps, eta {eta}"
+
+
+def _step_time_rows(t: Training) -> list[Row]:
+    """A step's time; in local-steps mode the round's wall time and its averaging, named apart (a round takes
+    its inner steps' compute, then an averaging of a fraction of a second)."""
+    if not t.local:
+        return [("step time", _value(fmt_duration(t.step_time_s)))]
+    return [
+        ("round time", _value(fmt_duration(t.wall_s))),
+        ("averaging", _value(fmt_duration(t.step_time_s))),
     ]
 
 
@@ -221,9 +247,18 @@ def local_rows(state: ViewState) -> list[Row]:
         ),
         ("my share", _value(share_text)),
         ("steps", _value(steps)),
-        ("lr", _value(MISSING if t.lr is None else f"{t.lr:.3g}")),
+        ("lr", _value(_lr_text(t))),
         *_held_out_rows(t),
     ]
+
+
+def _lr_text(t: Training) -> str:
+    """The learning rate; in local-steps mode the inner optimizer's and the outer step's."""
+    lr = MISSING if t.lr is None else f"{t.lr:.3g}"
+    if not t.local:
+        return lr
+    inner = MISSING if t.inner_lr is None else f"{t.inner_lr:.3g}"
+    return f"inner {inner} · outer {lr}"
 
 
 def _held_out_rows(training: Training) -> list[Row]:

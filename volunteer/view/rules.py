@@ -115,7 +115,8 @@ def _collab_progress(c: Collab, e: ev.Progress) -> Collab:
 
 
 def _collab_joined(c: Collab, e: ev.Joined) -> Collab:
-    return replace(c, global_step=_max_step(c.global_step, e.global_step), target=e.target_batch_size)
+    step = _max_step(c.global_step, e.global_step)
+    return replace(c, global_step=step, target=e.target_batch_size, total_steps=e.total_steps)
 
 
 def _collab_step_done(c: Collab, e: ev.StepDone) -> Collab:
@@ -146,11 +147,12 @@ COLLAB_RULES: Rules[Collab] = {
 
 def _training_joined(t: Training, e: ev.Joined) -> Training:
     # A run at step 0 starts from the recipe's initial weights: nothing to catch up.
+    t = replace(t, local=e.inner_steps > 1)
     return replace(t, local_step=0) if e.global_step == 0 and t.local_step is None else t
 
 
 def _training_step_done(t: Training, e: ev.StepDone) -> Training:
-    recent = RecentStep(e.step, e.contributed_samples, e.group_samples, e.step_time_s)
+    recent = RecentStep(e.step, e.contributed_samples, e.group_samples, e.step_time_s, e.wall_s)
     return replace(
         t,
         recent_steps=_tail(t.recent_steps, recent, RECENT_STEPS),
@@ -159,6 +161,7 @@ def _training_step_done(t: Training, e: ev.StepDone) -> Training:
         compute_share=_newest(t.compute_share, e.compute_share),
         local_step=e.step + 1,
         local_samples=0,
+        inner_steps=None if t.inner_steps is None else 0,  # (a new round: none taken yet)
     )
 
 
@@ -180,6 +183,7 @@ def _training_local(t: Training, e: ev.LocalTraining) -> Training:
         local_samples_per_s=e.samples_per_s,
         micro_batches=e.micro_batches,
         inner_steps=e.inner_steps,
+        inner_lr=_newest(t.inner_lr, e.inner_lr),
         compute_share=_newest(t.compute_share, e.compute_share),
     )
 

@@ -141,11 +141,14 @@ def _phase(e: ev.PhaseChanged) -> Sentence:
 def _step_done(e: ev.StepDone) -> Sentence:
     share = e.contributed_samples / e.group_samples if e.group_samples else None
     loss = f", loss {fmt_float(e.loss, 3)}" if e.loss is not None else ""
-    return "info", (
-        f"step {e.step} done: {e.contributed_samples}/{e.group_samples} samples "
-        f"from this machine ({fmt_percent(share)}){loss}, lr {e.lr:.3g}, "
-        f"{fmt_duration(e.step_time_s)}, compute {fmt_percent(e.compute_share)}"
-    )
+    mine = f"{e.contributed_samples}/{e.group_samples} samples from this machine ({fmt_percent(share)}){loss}"
+    compute = f"compute {fmt_percent(e.compute_share)}"
+    if e.local:  # an outer round: its wall time, and its averaging named as such
+        wall = "" if e.wall_s is None else f"round {fmt_duration(e.wall_s)}, "
+        return "info", (
+            f"round {e.step} done: {mine}, outer lr {e.lr:.3g}, {wall}averaging {fmt_duration(e.step_time_s)}, {compute}"
+        )
+    return "info", f"step {e.step} done: {mine}, lr {e.lr:.3g}, {fmt_duration(e.step_time_s)}, {compute}"
 
 
 def _step_missed(e: ev.StepMissed) -> Sentence:
@@ -156,9 +159,14 @@ def _step_missed(e: ev.StepMissed) -> Sentence:
 
 
 def _local_training(e: ev.LocalTraining) -> Sentence:
+    toward = (
+        f"{e.samples} samples toward this step"
+        if e.inner_steps is None
+        else f"{e.samples} samples and {e.inner_steps} inner steps this round"
+        + ("" if e.inner_lr is None else f", inner lr {e.inner_lr:.3g}")
+    )
     return "info", (
-        f"loss {fmt_float(e.loss)}, {e.samples} samples toward this step, "
-        f"{fmt_speed(e.samples_per_s)}, {e.micro_batches} micro-batches, "
+        f"loss {fmt_float(e.loss)}, {toward}, {fmt_speed(e.samples_per_s)}, {e.micro_batches} micro-batches, "
         f"compute {fmt_percent(e.compute_share)}"
     )
 
