@@ -1066,8 +1066,19 @@ def test_a_local_steps_round_reads_truthfully_in_the_view_and_the_plain_lines():
         wall_s=None,
     )
     second = dataclasses.replace(first, t=T0 + 81, step=1, step_time_s=0.6, wall_s=40.0)
-    text = record(render(fold([joined, inner])))
+    progress = ev.Progress(
+        t=T0 + 6,
+        global_step=40,
+        samples=1216,
+        target=2560,
+        peers_online=4,
+        samples_per_s=160.0,
+        eta_s=8.4,
+        reachable=True,
+    )
+    text = record(render(fold([joined, inner, progress])))
     assert has(text, "this round 304 samples, 11 inner steps"), text
+    assert has(text, "my share 25% (this round so far)"), text  # (it said 0 % after 304 samples)
     assert has(text, "compute 91%"), text  # (the round under way counts: it showed 0 % until it ended)
     assert has(text, "lr inner 0.003 · outer —"), text
     text = record(render(fold([joined, inner, first, second])))

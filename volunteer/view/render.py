@@ -226,10 +226,13 @@ def _step_time_rows(t: Training) -> list[Row]:
 def local_rows(state: ViewState) -> list[Row]:
     t = state.training
     loss = Text.assemble((fmt_float(t.loss), "bold"), " ", (sparkline(t.loss_history), "cyan"))
-    share = t.contribution_share
+    share, samples = t.contribution_share, state.collab.samples
     share_text = fmt_percent(share)
     if share is not None:
         share_text += f" (last {_plural(len(t.recent_steps), 'step')})"
+    elif samples > 0:  # (before its first step: its part of what the run gathered for this one so far)
+        so_far = "this round" if t.local else "this step"
+        share_text = f"{fmt_percent(min(1.0, t.local_samples / samples))} ({so_far} so far)"
     steps = f"{t.steps_done} done, {t.steps_missed} missed"
     if t.samples_dropped:
         steps += f" ({t.samples_dropped} dropped)"
