@@ -55,8 +55,7 @@ dir = "data"
 lr = 0.003
 
 [averaging]
-codec = "int8"
-group_size = 4
+group_size = 4                   # codec "int8" (the default; "int2" in local steps)
 """
 
 

@@ -20,7 +20,7 @@ MAX_SPEC_BYTES = 1 << 20
 
 def load_spec(path: Path):  # -> RunCreate
     """Read a run-spec TOML file into a validated :class:`RunCreate`."""
-    from crowdtrain.protocol.messages import RunCreate, convert
+    from crowdtrain.protocol.messages import RunCreate, convert, with_mode_defaults
 
     try:
         raw = path.read_bytes()
@@ -40,6 +40,8 @@ def load_spec(path: Path):  # -> RunCreate
             f"{path}: tokenizer is not a run-spec key; `run create` sends the tokenizer.json of [dataset] dir "
             "when its manifest names one",
         )
+    if isinstance(doc.get("averaging"), dict):  # (a local-steps run: the defaults measured for home links)
+        doc["averaging"] = with_mode_defaults(doc["averaging"])
     folder = path.parent / str(doc["dataset"].get("dir"))
     dataset, torrent = read_dataset(doc["dataset"], path.parent)
     doc["dataset"] = dataset
