@@ -14,7 +14,7 @@ group of 4; local rows add ``inner_steps = H`` and ``inner_batch_size = 64``.
     python bench/homelinks.py --uplink 20mbit,2mbit,2mbit,2mbit --configs 1:int8:0:equal,1:int8:0:upload
 
 A configuration is ``H:codec:delay`` or ``H:codec:delay:parts`` (``[averaging] part_sizes``: ``upload``, the
-default, or ``equal``); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
+default, or ``equal``), or ``H:defaults`` (the run file sets ``inner_steps = H`` alone: the local-steps defaults); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
 every-step row ``--steps``), then the volunteers are stopped with Ctrl-C. Measured from outside, from the
 volunteers' ``--json`` events and the hosts' qdiscs:
 - compute share: each volunteer's last ``StepDone.compute_share`` (the share of its wall time since its first
@@ -75,15 +75,24 @@ def parse_args() -> argparse.Namespace:
 
 
 def _config(text: str) -> tuple[int, str, int, str]:
-    h, codec, delay, *parts = text.split(":")
+    h, codec, *rest = text.split(":")
+    if codec == DEFAULTS:  # ``H:defaults``: the run file sets inner_steps alone
+        return int(h), codec, -1, "upload"
+    delay, *parts = rest
     return int(h), codec, int(delay), parts[0] if parts else "upload"
 
 
+DEFAULTS = "defaults"
+
+
 def run_file(h: int, codec: str, delay: int, parts: str = "upload") -> str:
-    """The test's run file with this row's [averaging] lines (H = 1: the every-step mode)."""
+    """The test's run file with this row's [averaging] lines (H = 1: the every-step mode; codec ``defaults``:
+    ``inner_steps = H`` alone, the rest the spec's local-steps defaults)."""
     base = HOME_TOML
     for line in ('codec = "sparse"\n', "inner_steps = 10\n", "inner_batch_size = 64\n"):
         base = base.replace(line, "")
+    if codec == DEFAULTS:
+        return base + f"inner_steps = {h}\n"
     lines = f'codec = "{codec}"\ndelay = {delay}\npart_sizes = "{parts}"\n'
     return base + lines + (f"inner_steps = {h}\ninner_batch_size = 64\n" if h > 1 else "")
 
@@ -143,7 +152,7 @@ def one_row(h: int, codec: str, delay: int, parts: str, args: argparse.Namespace
     return {
         "h": h,
         "codec": codec,
-        "delay": delay,
+        "delay": "default" if codec == DEFAULTS else delay,
         "parts": parts,
         "steps": len(counted),
         "share min": min(shares),

@@ -481,7 +481,7 @@ def test_status_shows_the_runs_way_to_its_schedules_end():
     """``status`` (and the page, from the same RunStatus) says where the run stands on its schedule and when it
     reaches its end at the recent steps' pace: the ETA shown before was the current step's alone."""
     from crowdtrain.commands.status import format_status
-    from crowdtrain.protocol.messages import RunStatus, StepRecord, run_eta
+    from crowdtrain.protocol.messages import CreditRecord, RunStatus, StepRecord, run_eta
 
     def record(step: int, closed_at: float) -> StepRecord:
         return StepRecord(
@@ -510,6 +510,12 @@ def test_status_shows_the_runs_way_to_its_schedules_end():
     assert line.split(None, 1)[1] == "40 / 100 steps (40%), eta 40m 00s", line
     done = format_status(msgspec_replace(status, global_step=100, run_eta_s=0.0))
     assert "100 / 100 steps (100%), reached" in done
+    # the credit ledger's spot-check columns only where the run draws checks
+    credit = CreditRecord(public_key="ab" * 32, samples=640, steps=10, last_step=39, verified=3, rejected=0)
+    local = format_status(msgspec_replace(status, credits=[credit], spot_checked=False))
+    checked = format_status(msgspec_replace(status, credits=[credit], spot_checked=True))
+    assert "verified" not in local and "spot-checks" not in local and "640" in local, local
+    assert "verified" in checked and "rejected" in checked, checked
 
 
 def test_loss_history_and_log_tail_are_bounded():

@@ -86,16 +86,21 @@ def format_status(status) -> str:  # status: RunStatus
                 f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
             )
     if status.credits:
+        # (spot-check columns only where the run draws checks: elsewhere they would only ever say 0)
+        checks = status.spot_checked
         lines.append(
-            "  credit ledger (samples of each volunteer key that entered the averages; spot-checks):"
+            "  credit ledger (samples of each volunteer key that entered the averages"
+            + ("; spot-checks):" if checks else "):")
         )
         lines.append(
-            f"    {'volunteer key':<18} {'samples':>10} {'steps':>6} {'last step':>9} {'verified':>8} {'rejected':>8}"
+            f"    {'volunteer key':<18} {'samples':>10} {'steps':>6} {'last step':>9}"
+            + (f" {'verified':>8} {'rejected':>8}" if checks else "")
         )
         for c in status.credits:
             lines.append(
                 f"    {c.public_key[:16] + '…':<18} {c.samples:>10,} {c.steps:>6} {c.last_step:>9}"
-                f" {c.verified:>8} {c.rejected:>8}" + (f"  barred: {printable(c.barred)}" if c.barred else "")
+                + (f" {c.verified:>8} {c.rejected:>8}" if checks else "")
+                + (f"  barred: {printable(c.barred)}" if c.barred else "")
             )
     if status.evals:
         lines.append("  held-out evaluations:")
