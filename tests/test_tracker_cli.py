@@ -230,6 +230,7 @@ def test_status_shows_the_credit_ledger_and_a_backbone():
         samples_per_s=0.0, peers=[backbone], recent_steps=[],
         credits=[CreditRecord(public_key="ab" * 32, samples=1234, steps=3, last_step=2, verified=2),
                  CreditRecord(public_key="cd" * 32, samples=0, steps=3, last_step=2, rejected=1)],
+        spot_checked=True,  # (a run that draws no checks shows no check columns: tests/test_view.py)
     )  # fmt: skip
     lines = format_status(status).splitlines()
     assert any(line.endswith("backbone, reachable at 203.0.113.7:41234") for line in lines), lines
