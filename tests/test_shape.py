@@ -73,6 +73,15 @@ def _stored(target: ast.expr, owner: str) -> set[str]:
     return set()
 
 
+def assigned(node: ast.AST) -> list[ast.expr]:
+    """The targets ``node`` assigns to (none when it is no assignment)."""
+    if isinstance(node, ast.Assign):
+        return node.targets
+    if isinstance(node, ast.AnnAssign | ast.AugAssign):
+        return [node.target]
+    return []
+
+
 def _self_name(method: Function) -> str | None:
     """The name a method calls its instance (``self``); None for static and class methods."""
     decorators = {d.id for d in method.decorator_list if isinstance(d, ast.Name)}
@@ -97,13 +106,7 @@ def attributes(cls: ast.ClassDef) -> set[str]:
             }
         elif isinstance(stmt, Function) and (owner := _self_name(stmt)) is not None:
             for node in ast.walk(stmt):
-                if isinstance(node, ast.Assign):
-                    targets = node.targets
-                elif isinstance(node, ast.AnnAssign | ast.AugAssign):
-                    targets = [node.target]
-                else:
-                    continue
-                names |= {name for target in targets for name in _stored(target, owner)}
+                names |= {name for target in assigned(node) for name in _stored(target, owner)}
     return names
 
 
@@ -213,12 +216,7 @@ def foreign_writes(tree: ast.Module) -> list[tuple[int, str]]:
     …``). An object writes its own fields (``self.x``) and those of records it made or was handed to fill."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
-            targets = [node.target]
-        else:
-            continue
+        targets = assigned(node)
         flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple | ast.List) else [t])]
         for t in flat:
             if not isinstance(t, ast.Attribute):
