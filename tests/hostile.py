@@ -176,9 +176,13 @@ async def hostile_run(
             "clean" if role == "clean" else role,
         )
         t0 = time.perf_counter()
-        results = await asyncio.wait_for(
-            asyncio.gather(*(v.run() for v in honest), fourth.run(), return_exceptions=True), 900
-        )
+        runs = [asyncio.ensure_future(v.run()) for v in honest]
+        # The fourth starts once the honest three train: a round whose only weighted copy is a stranger's
+        # has no other copy to clip it against (docs/security.md, "What it does not stop"), and which of
+        # four volunteers started together computes the first round alone is chance.
+        await _training(honest_events, runs)
+        runs.append(asyncio.ensure_future(fourth.run()))
+        results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 900)
         wall_s = time.perf_counter() - t0
         status = await _status(run)
     for r in results[:3]:
@@ -219,6 +223,15 @@ async def hostile_run(
             c.public_key[:12] for c in status.credits if c.rejected and c.public_key != _key(fourth)
         ],
     }
+
+
+async def _training(events: list[list[ev.Event]], runs: list[asyncio.Future], limit_s: float = 120.0) -> None:
+    """Until every one of ``events`` holds a phase change to training (or a volunteer's run ended)."""
+    deadline = time.monotonic() + limit_s
+    while not all(any(isinstance(e, ev.PhaseChanged) and e.phase == "training" for e in es) for es in events):
+        if any(r.done() for r in runs) or time.monotonic() > deadline:
+            return  # (what went wrong shows in the results)
+        await asyncio.sleep(0.05)
 
 
 def _key(v: Volunteer) -> str:
