@@ -136,7 +136,12 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # ``inner_batch_size`` samples (0: the micro-batch size) with the run's optimizer from the round's start
     # parameters, the peers average their pseudo-gradients (start minus end parameters, weighted by samples)
     # and every peer applies the same outer step: Nesterov SGD with ``outer_lr`` and ``outer_momentum``
-    inner_steps: int = 1
+    # "auto": the tracker chooses H for each round within [inner_steps_min, inner_steps_max] from the peers'
+    # measured compute and averaging times, so that a round's averaging hides behind the next round's compute
+    # (tracker/horizon.py); each step's H is recorded in the step history
+    inner_steps: int | Literal["auto"] = 1
+    inner_steps_min: int = 4
+    inner_steps_max: int = 100
     inner_batch_size: int = 0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -154,7 +159,17 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     @property
     def local(self) -> bool:
         """Local-steps mode: inner optimizer steps, an outer step per global step."""
-        return self.inner_steps > 1
+        return self.auto_inner_steps or self.first_inner_steps > 1
+
+    @property
+    def auto_inner_steps(self) -> bool:
+        """``inner_steps = "auto"``: the tracker chooses each round's H (tracker/horizon.py)."""
+        return self.inner_steps == "auto"
+
+    @property
+    def first_inner_steps(self) -> int:
+        """The H of a run's first round: ``inner_steps``, or its lower bound when chosen by the tracker."""
+        return self.inner_steps_min if self.inner_steps == "auto" else self.inner_steps
 
     @property
     def computes_ahead(self) -> bool:
@@ -199,6 +214,8 @@ def with_mode_defaults(averaging: dict[str, object]) -> dict[str, object]:
     ``inner_steps`` > 1), and ``step_timeout_s`` that many times the default (a round covers ``inner_steps``
     steps' samples); any other table as it is."""
     h = averaging.get("inner_steps", 1)
+    if h == "auto":  # (its rounds are as long as the largest H it may choose)
+        h = averaging.get("inner_steps_max", AveragingSpec().inner_steps_max)
     if isinstance(h, bool) or not isinstance(h, int) or h <= 1:
         return averaging
     return {**LOCAL_DEFAULTS, "step_timeout_s": h * AveragingSpec().step_timeout_s, **averaging}
@@ -397,6 +414,19 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     # bytes per second its all-reduce rounds went out at lately (None: no round yet): the tracker sizes the
     # parts it owns by it (AveragingSpec.part_sizes)
     upload_bps: Annotated[float, Meta(ge=0, le=1e12)] | None = None
+    # seconds its last step's averaging took, from its gradient handed over to the mean in hand (None: none
+    # yet): with inner_steps = "auto" the tracker sizes the next rounds by it (tracker/horizon.py)
+    averaging_s: Annotated[float, Meta(ge=0, le=86_400)] | None = None
+
+
+class InnerSteps(Message, frozen=True, kw_only=True):
+    """The inner steps of a local-steps run around global step ``step`` (tracker/horizon.py): its round's H,
+    the inner steps of all steps before it, and the H of the step before it (0 at step 0)."""
+
+    step: Count
+    h: Annotated[int, Meta(ge=1, le=100_000)]
+    before: Annotated[int, Meta(ge=0, le=1 << 53)]
+    previous: Annotated[int, Meta(ge=0, le=100_000)] = 0
 
 
 class HeartbeatReply(Message, frozen=True, kw_only=True):
@@ -420,6 +450,9 @@ class HeartbeatReply(Message, frozen=True, kw_only=True):
     # delay 1: how many samples this peer may compute ahead for the next step once done with this one: its
     # share of a step by rate, room left for peers of unknown rate (RunState.ahead_share); None: unknown
     ahead_share: int | None = None
+    # local steps: the open step's H, the inner steps of the steps before it (where its round's inner learning
+    # rates start on the schedule) and the step before's H (tracker/horizon.py); None: an every-step run
+    inner: InnerSteps | None = None
 
 
 class StepWatch(Message, frozen=True, kw_only=True):
@@ -512,6 +545,8 @@ class ReadyReply(Message, frozen=True, kw_only=True):
     next_allotment: int | None = None
     # group: recompute this member's contribution to the part you own in phase 0 and report the verdict
     spot_check: SpotCheck | None = None
+    # group, local steps: the inner steps around ``global_step`` (as a heartbeat's reply)
+    inner: InnerSteps | None = None
 
 
 # ---------------------------------------------------------------- cutting a sleeper from a round
@@ -740,6 +775,7 @@ class StepRecord(Message, frozen=True, kw_only=True):
     groups: int
     seed: int
     loss: float | None = None  # the averaged peers' training loss, weighted by their samples
+    inner_steps: int = 1  # its round's H (local steps; chosen by the tracker with inner_steps = "auto")
 
 
 class StepHistory(Message, frozen=True, kw_only=True):
@@ -782,8 +818,9 @@ class RunStatus(Message, frozen=True, kw_only=True):
     swarm_peers: int = 0
     evals: list[EvalRecord] = []  # the newest held-out evaluations, newest first (see EvalSpec)
     # the run's averaging mode: inner steps per global step (1: every step averages a gradient; H > 1: local
-    # steps, a global step is an outer round of H inner steps per volunteer) and its codec
+    # steps, a global step is an outer round of H inner steps per volunteer; the open step's H) and its codec
     inner_steps: int = 1
+    inner_auto: bool = False  # inner_steps = "auto": the tracker chooses each round's H (see recent_steps)
     codec: CodecName | None = None
     credits: list[CreditRecord] = []  # the credit ledger's leaders, most samples first
     # the run as a whole: the steps its schedule spans, and the time to reach them at the recent steps' pace

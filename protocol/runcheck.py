@@ -141,7 +141,11 @@ def check_averaging(avg: AveragingSpec) -> None:
 
 def check_local_steps(avg: AveragingSpec) -> None:
     """The local-steps options: whole numbers in range, an outer step that moves and a momentum below 1."""
-    _int("averaging.inner_steps", avg.inner_steps, 1, 100_000)
+    if avg.inner_steps == "auto":
+        _int("averaging.inner_steps_min", avg.inner_steps_min, 2, 100_000)
+        _int("averaging.inner_steps_max", avg.inner_steps_max, avg.inner_steps_min, 100_000)
+    else:
+        _int("averaging.inner_steps", avg.inner_steps, 1, 100_000)
     _int("averaging.inner_batch_size", avg.inner_batch_size, 0, 1 << 24)
     if not (math.isfinite(avg.outer_lr) and 0 < avg.outer_lr <= 10):
         raise ConfigError("averaging.outer_lr", f"must be above 0 and at most 10, got {avg.outer_lr}")

@@ -4,7 +4,8 @@
 Each volunteer keeps a model of its own and an inner optimizer of its own (the run's optimizer, built by the
 product's ``make_optimizer``: the run's definition of it) for the whole run. A round: every volunteer starts
 from the anchor, takes an inner step every ``inner_batch`` samples of its micro-batches and one for what is
-left, at the learning rate ``schedule(anchor_step × H + j)`` for its ``j``-th; its pseudo-gradient is the
+left, at the learning rate ``schedule(B + j)`` for its ``j``-th, where ``B`` is the inner steps of the rounds before
+the anchor (``anchor_step × H``; with ``inner_steps = "auto"`` the sum of the H the tracker chose for each); its pseudo-gradient is the
 anchor minus its parameters; the mean of those (weighted by samples) takes one Nesterov SGD step from the
 anchor, which gives the next anchor. With ``delay=1`` a round's mean is applied after the next round's
 pseudo-gradients were taken, and that next round starts from the anchor before it.
@@ -61,9 +62,19 @@ def local_replay_reference(
     combine: Callable[[Sequence[np.ndarray], Sequence[float]], np.ndarray] = weighted_mean,
     delay: int = 0,
     args: Mapping[str, Any] | None = None,
+    inner_steps: Sequence[int] | None = None,
 ) -> list[np.ndarray]:
     """The anchor after each round. ``rounds[k][v]`` holds volunteer ``v``'s micro-batches ``(x, y)`` of
-    round ``k`` (the same volunteer at the same index in every round)."""
+    round ``k`` (the same volunteer at the same index in every round); ``inner_steps[k]``: round ``k``'s H
+    (the step history's, with ``inner_steps = "auto"``; None: the spec's for every round)."""
+    fixed = spec.averaging.inner_steps
+
+    def before(step: int) -> int:
+        if inner_steps is None:
+            assert isinstance(fixed, int)
+            return step * fixed
+        return sum(inner_steps[:step])
+
     recipe = get_recipe(spec.model.recipe)
     avg = spec.averaging
     inner_batch = avg.inner_batch_size or spec.micro_batch_size
@@ -94,7 +105,7 @@ def local_replay_reference(
         deltas, weights = [], []
         for (mine, inner), batches in zip(workers, per_volunteer, strict=False):
             mine.load(anchor)
-            weights.append(float(_inner_steps(mine, inner, batches, spec, inner_batch, anchor_step)))
+            weights.append(float(_inner_steps(mine, inner, batches, spec, inner_batch, before(anchor_step))))
             deltas.append((anchor - mine.flat()).numpy())
         mean = combine(deltas, weights)
         if delay:
@@ -114,7 +125,7 @@ def _inner_steps(
     batches: Batches,
     spec: RunSpec,
     inner_batch: int,
-    anchor_step: int,
+    base: int,
 ) -> int:
     """One volunteer's round: its inner steps over ``batches``; returns its samples."""
     recipe = get_recipe(spec.model.recipe)
@@ -127,7 +138,7 @@ def _inner_steps(
             clip = spec.optimizer.grad_clip
             if clip > 0:
                 mine.grad.mul_(torch.clamp(clip / (torch.linalg.vector_norm(mine.grad) + 1e-6), max=1.0))
-        lr = learning_rate(anchor_step * spec.averaging.inner_steps + taken, spec.optimizer, spec.schedule)
+        lr = learning_rate(base + taken, spec.optimizer, spec.schedule)
         for group in inner.param_groups:
             group["lr"] = lr
         inner.step()

@@ -104,6 +104,49 @@ async def test_three_volunteers_in_local_steps_equal_a_single_process_replay_of_
 
 
 @pytest.mark.timeout(300)
+async def test_with_inner_steps_auto_the_tracker_lengthens_rounds_it_cannot_hide_and_the_run_equals_a_replay_of_its_h(
+    tmp_path,
+):
+    """``inner_steps = "auto"`` with a tiny target: a round of 2 inner steps computes in a few hundredths of a
+    second, far less than its averaging takes even on loopback, so the tracker lengthens the rounds (to the
+    bound: 8). Every round's H is in the step history; the volunteers hold one state, equal to the rule
+    replayed with that sequence of H (the inner learning rates start at the sum of the H before)."""
+    rounds_n = 7
+    async with published_run(
+        tmp_path,
+        target_batch_size=16,
+        micro_batch_size=8,
+        averaging={**LOCAL, "delay": 1, "inner_steps": "auto", "inner_steps_min": 2, "inner_steps_max": 8},
+        schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": 60},
+    ) as run:
+        recs = [Recorder() for _ in range(3)]
+        vols = volunteers(run, tmp_path, 3, seed=11, record=recs, max_steps=rounds_n)
+        summaries = await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 240)
+        async with TrackerClient(run.tracker.url) as client:
+            status = await client.status(
+                run.spec.run_id
+            )  # (its recent steps: the 10 newest, all of them here)
+    assert all(s.steps_done == rounds_n and s.steps_missed == 0 for s in summaries), summaries
+    hs = [r.inner_steps for r in sorted(status.recent_steps, key=lambda r: r.step)][:rounds_n]
+    # nothing measured before the first rounds closed: they take the lower bound; then the measured averaging
+    # lengthens them (never past the bound)
+    assert hs[0] == 2 and max(hs) > 2 and all(2 <= h <= 8 for h in hs), hs
+    assert status.inner_auto and status.target == status.inner_steps * run.spec.target_batch_size
+    text = format_status(status)
+    assert "H chosen by the tracker each round" in text and f" {hs[-1]:>4} " in text, text
+    for k in range(1, rounds_n + 1):
+        for rec in recs[1:]:
+            np.testing.assert_array_equal(rec.params[k], recs[0].params[k], err_msg=f"after round {k}")
+    rounds = replay_rounds(run, vols, recs, rounds_n)
+    reference = local_replay_reference(run.spec, rounds, delay=1, inner_steps=hs)
+    for k, expected in enumerate(reference, start=1):
+        assert_replayed(recs[0].params[k], expected, f"round {k} (H {hs[k - 1]})")
+    # (the sequence matters: replayed with every round at the lower bound, the inner learning rates differ)
+    wrong = local_replay_reference(run.spec, rounds, delay=1, inner_steps=[2] * rounds_n)
+    assert not np.array_equal(wrong[-1], reference[-1])
+
+
+@pytest.mark.timeout(300)
 async def test_a_late_volunteer_catches_up_to_the_outer_state_and_then_matches_the_others(tmp_path):
     """A newcomer fetches the anchor and the outer optimizer's state while it computes with weight 0, replays
     the rounds that passed meanwhile, and from then on holds exactly the others' parameters."""
@@ -164,3 +207,30 @@ def test_local_steps_options_out_of_range_are_refused_with_their_name(field, val
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         check_averaging(AveragingSpec(**{field: value}))
     check_averaging(AveragingSpec(inner_steps=30, inner_batch_size=64, outer_lr=0.7, outer_momentum=0.9))
+
+
+def test_a_run_file_that_sets_only_inner_steps_gets_the_home_link_defaults_and_auto_its_bounds():
+    """``run create``'s reading of [averaging] (protocol.messages.with_mode_defaults): a number > 1 or "auto"
+    alone brings int2, delay 1 and the outer 0.9 / 0.95; what the file sets stays; every-step runs keep theirs."""
+    from crowdtrain.protocol.messages import LOCAL_DEFAULTS, with_mode_defaults
+
+    ten = AveragingSpec(**with_mode_defaults({"inner_steps": 10}))
+    assert (ten.codec, ten.delay, ten.outer_lr, ten.outer_momentum) == ("int2", 1, 0.9, 0.95)
+    assert ten.step_timeout_s == 10 * AveragingSpec().step_timeout_s
+    auto = AveragingSpec(**with_mode_defaults({"inner_steps": "auto", "inner_steps_max": 40}))
+    assert auto.local and auto.auto_inner_steps and auto.first_inner_steps == auto.inner_steps_min == 4
+    assert (
+        auto.codec == LOCAL_DEFAULTS["codec"] and auto.step_timeout_s == 40 * AveragingSpec().step_timeout_s
+    )
+    assert with_mode_defaults({"inner_steps": 10, "codec": "int8"})["codec"] == "int8"
+    assert with_mode_defaults({"codec": "int8"}) == {"codec": "int8"}
+    check_averaging(auto)
+    for bad, words in [
+        ({"inner_steps_min": 1}, "averaging.inner_steps_min: must be between 2 and 100000, got 1"),
+        (
+            {"inner_steps_min": 8, "inner_steps_max": 6},
+            "averaging.inner_steps_max: must be between 8 and 100000",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            check_averaging(AveragingSpec(inner_steps="auto", **bad))

@@ -54,3 +54,63 @@ def test_the_late_rule_reads_the_policy_in_force(monkeypatch):
     assert late([done, slow], 6.6) == ["slow"]
     monkeypatch.setattr(policy, "POLICY", dataclasses.replace(policy.POLICY, late_factor=1.0))
     assert late([done, slow], 4.6) == ["slow"]
+
+
+# ------------------------------------------------------------ a round's inner steps (tracker/horizon.py)
+
+
+def _rule(h, averaging_s, rate=1000.0, target=64, computes_ahead=True, bounds=(4, 100)):
+    from crowdtrain.tracker.horizon import next_inner_steps
+
+    return next_inner_steps(h, bounds, target, rate, averaging_s, computes_ahead)
+
+
+def test_auto_inner_steps_hide_the_averaging_behind_the_next_rounds_compute():
+    # 1,000 samples/s over the run, target 64: an inner step's worth of compute takes 0.064 s
+    assert _rule(4, 0.05) == 4  # a LAN: 0.05 s of averaging hides behind the smallest round
+    # a home line: 3 s of averaging needs 1.5 × 3 s of compute = 4.5 s = 70.3 inner steps' worth
+    assert _rule(4, 3.0) == math.ceil(1.5 * 3.0 * 1000 / 64) == 71
+    assert _rule(4, 60.0) == 100  # (never past the bound)
+    # delay 0: the averaging stops the compute, so H buys a compute share of 0.9 (9 × the averaging)
+    assert _rule(4, 0.5, computes_ahead=False) == math.ceil(9 * 0.5 * 1000 / 64)
+    # one fast round shrinks H by half at most; nothing measured (or no rate) keeps it
+    assert _rule(80, 0.05) == 40
+    assert _rule(30, None) == 30 and _rule(30, 1.0, rate=0.0) == 30 and _rule(30, math.nan) == 30
+
+
+def test_the_horizon_counts_the_inner_steps_before_each_step_and_a_restarted_tracker_keeps_them():
+    from crowdtrain.protocol.messages import AveragingSpec
+    from crowdtrain.tracker.horizon import Horizon
+    from crowdtrain.tracker.peers import Peer
+
+    def peer(averaging_s):
+        return Peer(
+            peer_id="p", public_key="k", share=Share(counted_at=0.0, peer_id="p"), averaging_s=averaging_s
+        )
+
+    auto = AveragingSpec(inner_steps="auto", inner_steps_min=4, inner_steps_max=50, delay=1)
+    h = Horizon(auto, 0)
+    assert (h.h, h.before, h.previous) == (4, 0, 0)
+    h.advance(1, 64, 1000.0, [])  # no member reported an averaging time yet
+    # the median of the members' reports: one stranger's 10,000 s moves nothing
+    h.advance(2, 64, 1000.0, [peer(1.0), peer(1.2), peer(10_000.0)])
+    assert (h.inner.step, h.inner.h, h.inner.before, h.inner.previous) == (
+        2,
+        math.ceil(1.5 * 1.2 * 1000 / 64),
+        8,
+        4,
+    )
+    # restarted at step 2 with the history's (sum, last H): the open step keeps the last H
+    restarted = Horizon(auto, 2, (8, 4))
+    assert (restarted.h, restarted.before, restarted.previous) == (4, 8, 4)
+    # a fixed H: step × H before, whatever the history says
+    fixed = Horizon(AveragingSpec(inner_steps=30), 5, (999, 7))
+    assert (fixed.h, fixed.before, fixed.previous) == (30, 150, 30)
+    fixed.advance(6, 64, 1000.0, [peer(100.0)])
+    assert (fixed.h, fixed.before) == (30, 180)
+
+
+def test_the_auto_constants_are_checked():
+    for field, value in [("auto_hide_margin", 0.5), ("auto_share", 1.0), ("auto_shrink", 0.0)]:
+        with pytest.raises(ConfigError, match=field):
+            StepPolicy(**{field: value})

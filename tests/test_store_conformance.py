@@ -242,3 +242,19 @@ def test_a_database_of_an_earlier_version_gains_the_spot_check_counts(tmp_path):
     assert (credit.samples, credit.verified, credit.rejected) == (24, 0, 0)
     assert store.record_check("r", "ab" * 32, False).rejected == 1
     store.close()
+
+
+def test_the_steps_inner_steps_are_kept_and_summed_for_a_restarted_tracker(store):
+    """``inner_steps = "auto"``: each step's H is recorded, and a restarted tracker reads their sum and the last."""
+    s = spec("inner")
+    store.add_run(s, torrent(), None)
+    assert store.inner_steps(s.run_id) is None
+    for step, h in enumerate([4, 4, 9, 12]):
+        store.close_step(s.run_id, _with_h(step, h))
+    assert store.inner_steps(s.run_id) == (29, 12)
+    assert [r.inner_steps for r in store.history(s.run_id)] == [12, 9, 4, 4]
+
+
+def _with_h(step: int, h: int) -> StepRecord:
+    r = record(step)
+    return StepRecord(**{**{f: getattr(r, f) for f in r.__struct_fields__}, "inner_steps": h})

@@ -128,6 +128,8 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
                 assert progress and progress[2] != "–", field(second, "run-progress")
                 # every-step mode with spot-checks: their columns are shown
                 assert 'class="checks">spot-checks passed' in second and 'class="checks" hidden' not in second
+                # a fixed mode: no column of each round's inner steps
+                assert '<th class="inner" hidden="">' in second, second[:3000]
                 shot = tmp_path / "run-page.png"
                 await browse(url, tmp_path / "profile", f"--screenshot={shot}", "--window-size=1100,1000")
                 image = shot.read_bytes()
@@ -140,6 +142,36 @@ async def test_a_live_runs_page_shows_its_step_peers_and_loss_curve_as_steps_clo
             for v in vols:
                 v.stop()
             await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_local_steps_runs_page_shows_each_rounds_h_and_hides_the_spot_check_columns(tmp_path):
+    """``inner_steps = "auto"``: the page says H is the tracker's, lists each round's, and hides the spot-check
+    columns (no spot-check runs in local steps)."""
+    averaging = {
+        "inner_steps": "auto",
+        "inner_steps_min": 2,
+        "inner_steps_max": 8,
+        "delay": 1,
+        "codec": "int2",
+    }
+    async with published_run(tmp_path, target_batch_size=16, averaging=averaging) as run:
+        url = f"{run.tracker.url}/runs/{run.spec.run_id}"
+        vols = volunteers(run, tmp_path, 3, max_steps=6)
+        await asyncio.wait_for(asyncio.gather(*(v.run() for v in vols)), 200)
+        async with TrackerClient(run.tracker.url) as client:
+            status = await client.status(run.spec.run_id)
+        page = await browse(url, tmp_path / "profile", "--dump-dom")
+    assert "outer round of H × the target batch, H chosen by the tracker each round (2–8)" in page, page[
+        :3000
+    ]
+    assert '<th class="checks" hidden="">' in page and '<th class="inner">inner steps</th>' in page
+    body = re.search(r'<table id="steps">.*?<tbody>(.*?)</tbody>', page, re.S)
+    assert body, page[:3000]
+    shown = [int(cells[5]) for cells in re.findall(r"<tr>" + "<td>([^<]*)</td>" * 7 + "</tr>", body[1])]
+    recorded = [r.inner_steps for r in sorted(status.recent_steps, key=lambda r: -r.step)]
+    assert shown and shown == recorded[: len(shown)], (shown, recorded)
 
 
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\">&amp;</td><script>document.title='pwned'</script>"

@@ -72,6 +72,7 @@ from crowdtrain.protocol.messages import (
     EvalReport,
     Heartbeat,
     HeartbeatReply,
+    InnerSteps,
     ReadyReply,
     RunSpec,
     StateVersion,
@@ -80,6 +81,7 @@ from crowdtrain.protocol.messages import (
 )
 from crowdtrain.tracker.cuts import Cuts
 from crowdtrain.tracker.donors import Donors, StateRefused
+from crowdtrain.tracker.horizon import Horizon
 from crowdtrain.tracker.ledger import Ledger
 from crowdtrain.tracker.matchmaking import Candidate, plan
 from crowdtrain.tracker.peers import Peer, Share
@@ -116,7 +118,9 @@ class RunState:
         self.run_id = spec.run_id
         self.store = store
         self.signer = signer
-        self.ledger = Ledger.of(spec, global_step)
+        # (a local-steps round's inner steps, chosen anew each step with inner_steps = "auto")
+        self.horizon = Horizon(spec.averaging, global_step, store.inner_steps(self.run_id))
+        self.ledger = Ledger.of(spec, global_step, self.horizon.h)
         self.rounds = Rounds()
         self.cuts = Cuts(lambda owner, step: cut_asleep(self, owner, step))  # (tracker/cuts.py)
         self.checks = SpotChecks(spec, store)
@@ -239,7 +243,7 @@ class RunState:
         )
         computed = None if hb.compute_share is None else min(1.0, hb.compute_share)  # (a share: at most 1)
         peer.chunks_held, peer.loss, peer.compute_share = hb.chunks_held, hb.loss, computed
-        peer.backbone, peer.upload_bps = hb.backbone, hb.upload_bps
+        peer.backbone, peer.upload_bps, peer.averaging_s = hb.backbone, hb.upload_bps, hb.averaging_s
         peer.last_seen = now
         self.freed_now(free)
         if self.closed_at is not None and share.step == self.global_step and peer.peer_id not in self.ready:
@@ -370,7 +374,9 @@ class RunState:
             self.signer, self.run_id, step, seed, candidates, phases, self.peers, self.spec.averaging, now
         )
         closed_at = self.closed_at if self.closed_at is not None else now
-        record = step_record(step, candidates, phases[0], seed, self.peers, closed_at, now - self.opened_at)
+        record = step_record(
+            step, candidates, phases[0], seed, self.peers, closed_at, now - self.opened_at, self.horizon.h
+        )
         # (it advances the stored global step too, and credits each averaged identity: the credit ledger)
         credits = [(self.peers[c.peer_id].public_key, c.weight) for c in candidates]
         self.store.close_step(self.run_id, record, credits)
@@ -390,7 +396,13 @@ class RunState:
         self.gathering.clear()
         self.reopened = set()
         self.notice = None
-        self.ledger.advance([c.peer_id for c in candidates], time.monotonic())
+        members = [self.peers[c.peer_id] for c in candidates if c.weight > 0]
+        h = self.horizon.advance(
+            self.global_step + 1, self.spec.target_batch_size, self.ledger.tally.rate_sum, members
+        )
+        self.ledger.advance(
+            [c.peer_id for c in candidates], time.monotonic(), self.spec.target_batch_size * h
+        )
 
     # ------------------------------------------------------------ long-polls
 
@@ -457,7 +469,12 @@ class RunState:
             later_phases=mine[1:],
             next_allotment=self.ledger.next_allotment(peer_id, step),
             spot_check=self.checks.of(step, peer_id),
+            inner=self.inner(),
         )
+
+    def inner(self) -> InnerSteps | None:
+        """The open step's inner steps, told to its peers (local steps; None: every step averages)."""
+        return self.horizon.inner if self.spec.averaging.local else None
 
     # ------------------------------------------------------------ state donors
 
@@ -538,6 +555,7 @@ def _heartbeat_reply(run: RunState, peer: Peer, share: Share) -> HeartbeatReply:
         notice=run.notice,
         allotment=run.ledger.allotment(peer.peer_id, step_open=run.closed_at is None),
         ahead_share=share.ahead_share,
+        inner=run.inner(),
     )
 
 

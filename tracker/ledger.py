@@ -158,10 +158,10 @@ class Ledger:
         self._median_rate: float | None = None  # of the peers past probation, taken as each round forms
 
     @classmethod
-    def of(cls, spec: RunSpec, step: int) -> Ledger:
+    def of(cls, spec: RunSpec, step: int, inner_steps: int = 1) -> Ledger:
         return cls(
             spec.run_id,
-            spec.target_batch_size * spec.averaging.inner_steps,  # (local steps: an outer round's samples)
+            spec.target_batch_size * inner_steps,  # (local steps: an outer round's samples)
             spec.micro_batch_size,
             spec.averaging.max_peer_share,
             step=step,
@@ -466,12 +466,14 @@ class Ledger:
 
     # ------------------------------------------------------------ a new step
 
-    def advance(self, moved: list[str], now: float) -> None:
-        """The round of the step formed: the run is at the next step, and each of the ``moved`` peers (the
-        averaged ones, in the round's order) is at it, computing, with what it computed ahead for it (delay
-        1; else nothing), and is allotted its share now, so the ready reply carries it and the peer computes
-        on without waiting for a heartbeat's answer."""
+    def advance(self, moved: list[str], now: float, target: int | None = None) -> None:
+        """The round of the step formed: the run is at the next step (of ``target`` samples: a local round's
+        H chosen anew; None: as before), and each of the ``moved`` peers (the averaged ones, in the round's
+        order) is at it, computing, with what it computed ahead for it (delay 1; else nothing), and is
+        allotted its share now, so the ready reply carries it and the peer computes on without waiting for a
+        heartbeat's answer."""
         self.step += 1
+        self.target = self.target if target is None else max(1, target)
         self.tally = self.recount()
         ahead, self._ahead, self._revoked = self._ahead, {}, set()
         self.spares = Spares()

@@ -95,7 +95,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>
-<th>loss</th></tr></thead><tbody></tbody></table>
+<th class=inner>inner steps</th><th>loss</th></tr></thead><tbody></tbody></table>
 """
     return _page(f"{name} · crowdtrain", body, _SCRIPT.replace("__RUN_ID__", json.dumps(run_id)))
 
@@ -141,7 +141,10 @@ async function spec() {
   try {
     const s = await get("");
     const h = s.averaging.inner_steps || 1;
-    text("codec", (h > 1 ? "local steps: a global step is an outer round of " + h + " × the target batch" :
+    text("codec", (h === "auto" ? "local steps: a global step is an outer round of H × the target batch, H " +
+                   "chosen by the tracker each round (" + s.averaging.inner_steps_min + "–" +
+                   s.averaging.inner_steps_max + ")" :
+                   h > 1 ? "local steps: a global step is an outer round of " + h + " × the target batch" :
                    "every step") + " · codec " + s.averaging.codec);
     text("group-size", String(s.averaging.group_size));
   } catch (e) { text("codec", "spec unavailable"); }
@@ -157,6 +160,7 @@ async function refresh() {
     $("run-bar").style.width = (st.total_steps ? Math.min(100, 100 * st.global_step / st.total_steps) : 0) + "%";
     // (no spot-check can run in this run's mode: their columns would only ever say 0)
     for (const th of document.querySelectorAll(".checks")) th.hidden = !st.spot_checked;
+    for (const th of document.querySelectorAll(".inner")) th.hidden = !st.inner_auto;
     text("progress", st.samples + " / " + st.target);
     $("progress-bar").style.width = Math.min(100, 100 * st.samples / st.target) + "%";
     text("eta", st.eta_s === null ? "–" : num(st.eta_s, 1) + " s");
@@ -179,7 +183,10 @@ async function refresh() {
     curve("throughput", steps.map((s) => s.duration_s > 0 ? s.samples / s.duration_s : NaN), 640, 120, stepNumbers);
     const recent = $("steps").tBodies[0]; recent.replaceChildren();
     for (const s of steps.slice(-10).reverse()) {
-      recent.appendChild(row([s.step, num(s.duration_s, 2) + " s", s.samples, s.peers, s.groups, num(s.loss, 3)]));
+      const r = row([s.step, num(s.duration_s, 2) + " s", s.samples, s.peers, s.groups, s.inner_steps,
+                     num(s.loss, 3)]);
+      r.cells[5].hidden = !st.inner_auto;  // (each round's H, where the tracker chooses it)
+      recent.appendChild(r);
     }
     const metrics = (e) => Object.keys(e.metrics).sort().map((k) => k + " " + num(e.metrics[k], 4)).join(", ");
     const last = st.evals.length ? st.evals[0] : null;

@@ -84,6 +84,7 @@ class Peer:
     compute_share: float | None = None  # as its last heartbeat said
     backbone: bool = False  # as its last heartbeat said: it computes no gradients
     upload_bps: float | None = None  # as its last heartbeat said: what its rounds went out at lately
+    averaging_s: float | None = None  # as its last heartbeat said: its last step's averaging took (horizon)
     last_seen: float = 0.0  # monotonic
     answer_s: float | None = None  # close → its ready call, done before the close (decaying max; answer_wait)
     evaluated: int = 0  # the newest step whose held-out evaluation it reported (one report per step)

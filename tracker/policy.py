@@ -36,6 +36,8 @@ time it is asked at.
   and at most ``gather_s``. A live volunteer answers a close within a round trip (its step watch wakes it, or
   its micro-batch in flight ends; on a home line its answers are slower, and so is its wait); one that does
   not is asleep, and the others do not wait ``gather_s`` for it.
+* **A round's inner steps** (``inner_steps = "auto"``): ``auto_hide_margin``, ``auto_share``, ``auto_shrink``;
+  the rule is :func:`crowdtrain.tracker.horizon.next_inner_steps`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class StepPolicy:
     answer_floor_s: float = 0.15
     answer_decay: float = 0.8
     answer_growth: float = 2.0
+    auto_hide_margin: float = 1.5  # inner_steps = "auto" (tracker/horizon.py): compute ≥ this × averaging
+    auto_share: float = 0.9  # ... and with delay 0, the compute share it aims at
+    auto_shrink: float = 0.5  # ... and the most H shrinks a round, as a fraction of it
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -78,9 +83,15 @@ class StepPolicy:
             raise ConfigError("straggle_check_s", "must be above 0 (the tracker looks this often)")
         if self.late_factor < 1 or self.answer_growth < 1 or self.answer_factor < 1:
             raise ConfigError("late_factor", "late_factor, answer_factor and answer_growth must be 1 or more")
-        for name in ("spare_fraction", "steal_fraction", "answer_decay"):
+        if self.auto_hide_margin < 1:
+            raise ConfigError(
+                "auto_hide_margin", "must be 1 or more (the averaging hidden behind the compute)"
+            )
+        for name in ("spare_fraction", "steal_fraction", "answer_decay", "auto_shrink"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(name, f"{getattr(self, name)} must be above 0 and at most 1")
+        if not 0 < self.auto_share < 1:
+            raise ConfigError("auto_share", f"{self.auto_share} must be above 0 and below 1")
 
     def silent_s(self, intervals: float, heartbeat_interval_s: float) -> float:
         """How long a peer at the open step that owes samples may say nothing before it is a straggler."""

@@ -164,6 +164,7 @@ def step_record(
     peers: Mapping[str, Peer],
     closed_at: float,
     duration_s: float,
+    inner_steps: int = 1,
 ) -> StepRecord:
     """The formed step's history record: credited with the samples that were averaged (the candidates'
     weights), its first phase's groups, and the averaged peers' last training loss, weighted by samples."""
@@ -179,4 +180,5 @@ def step_record(
         groups=len(groups),
         seed=seed,
         loss=sum(w * loss for w, loss in known) / total if total else None,
+        inner_steps=inner_steps,
     )

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, closed_at REAL NOT NULL, duration_s REAL NOT NULL,
     samples INTEGER NOT NULL, peers INTEGER NOT NULL, groups INTEGER NOT NULL, seed INTEGER NOT NULL,
-    loss REAL, PRIMARY KEY (run_id, step));
+    loss REAL, inner_steps INTEGER NOT NULL DEFAULT 1, PRIMARY KEY (run_id, step));
 CREATE TABLE IF NOT EXISTS credits (
     run_id TEXT NOT NULL, public_key TEXT NOT NULL, samples INTEGER NOT NULL, steps INTEGER NOT NULL,
     last_step INTEGER NOT NULL, verified INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0,
@@ -141,6 +141,10 @@ class RunStore(Protocol):
         """The newest ``limit`` closed steps, newest first."""
         ...
 
+    def inner_steps(self, run_id: str) -> tuple[int, int] | None:
+        """The sum of the run's recorded steps' H and the last one's (None: no step recorded)."""
+        ...
+
     def add_eval(self, run_id: str, report: EvalReport) -> EvalRecord:
         """Fold one report into the mean of its step's reports; the step's record."""
         ...
@@ -166,8 +170,11 @@ class Store:
             self._db.execute("ALTER TABLE runs ADD COLUMN closed_at REAL")
         if "tokenizer" not in columns:  # (its runs have none)
             self._db.execute("ALTER TABLE runs ADD COLUMN tokenizer BLOB")
-        if "loss" not in {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}:
+        step_columns = {row[1] for row in self._db.execute("PRAGMA table_info(steps)")}
+        if "loss" not in step_columns:
             self._db.execute("ALTER TABLE steps ADD COLUMN loss REAL")
+        if "inner_steps" not in step_columns:  # (inner_steps = "auto" came later; before, H was the spec's)
+            self._db.execute("ALTER TABLE steps ADD COLUMN inner_steps INTEGER NOT NULL DEFAULT 1")
         credit_columns = {row[1] for row in self._db.execute("PRAGMA table_info(credits)")}
         for column in ("verified", "rejected"):  # (spot-checks came later)
             if column not in credit_columns:
@@ -256,8 +263,8 @@ class Store:
             self._db.execute("BEGIN")
             self._db.execute(
                 "INSERT OR REPLACE INTO steps"
-                " (run_id, step, closed_at, duration_s, samples, peers, groups, seed, loss)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " (run_id, step, closed_at, duration_s, samples, peers, groups, seed, loss, inner_steps)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     record.step,
@@ -268,6 +275,7 @@ class Store:
                     record.groups,
                     record.seed,
                     record.loss,
+                    record.inner_steps,
                 ),
             )
             self._db.executemany(
@@ -320,14 +328,33 @@ class Store:
 
     def history(self, run_id: str, limit: int = 10) -> list[StepRecord]:
         rows = self._db.execute(
-            "SELECT step, closed_at, duration_s, samples, peers, groups, seed, loss FROM steps"
+            "SELECT step, closed_at, duration_s, samples, peers, groups, seed, loss, inner_steps FROM steps"
             " WHERE run_id = ? ORDER BY step DESC LIMIT ?",
             (run_id, limit),
         ).fetchall()
         return [
-            StepRecord(step=s, closed_at=c, duration_s=d, samples=n, peers=p, groups=g, seed=seed, loss=loss)
-            for s, c, d, n, p, g, seed, loss in rows
+            StepRecord(
+                step=s,
+                closed_at=c,
+                duration_s=d,
+                samples=n,
+                peers=p,
+                groups=g,
+                seed=seed,
+                loss=loss,
+                inner_steps=h,
+            )
+            for s, c, d, n, p, g, seed, loss, h in rows
         ]
+
+    def inner_steps(self, run_id: str) -> tuple[int, int] | None:
+        row = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(inner_steps), 0),"
+            " (SELECT inner_steps FROM steps WHERE run_id = ?1 ORDER BY step DESC LIMIT 1)"
+            " FROM steps WHERE run_id = ?1",
+            (run_id,),
+        ).fetchone()
+        return (int(row[1]), int(row[2])) if row[0] else None
 
     # ------------------------------------------------------------ held-out evaluations
 

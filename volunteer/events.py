@@ -46,6 +46,7 @@ class Joined(Event):
     recipe: str
     codec: str
     inner_steps: int = 1  # > 1: local-steps mode, a global step is an outer round of this many inner steps
+    inner_bounds: tuple[int, int] | None = None  # inner_steps = "auto": the tracker chooses H within these
     backbone: bool = False  # join --backbone: it computes no gradients
     total_steps: int = 0  # the steps the run's schedule spans (its way to the end; 0: unknown)
 

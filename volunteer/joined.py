@@ -255,7 +255,12 @@ class JoinedRun:
                 target_batch_size=spec.target_batch_size,
                 recipe=spec.model.recipe,
                 codec=spec.averaging.codec,
-                inner_steps=spec.averaging.inner_steps,
+                inner_steps=spec.averaging.first_inner_steps,
+                inner_bounds=(
+                    (spec.averaging.inner_steps_min, spec.averaging.inner_steps_max)
+                    if spec.averaging.auto_inner_steps
+                    else None
+                ),
                 backbone=self.config.backbone,
                 total_steps=spec.schedule.total_steps,
             )

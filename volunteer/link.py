@@ -182,6 +182,8 @@ class TrackerLink:
         if reply.global_step == hb.step == run.pos.step and reply.allotment is not None:
             self.allotment.heard(hb.step, reply.allotment)
         self.allotment.heard_ahead(reply.ahead_share)
+        if reply.inner is not None:
+            run.trainer.heard_inner(reply.inner)
         self._hear(reply.global_step, reply.step_closed)
         self._rate_unknown = reply.eta_s is None and not reply.step_closed and not reply.notice
         self._on_reply(reply)
@@ -359,6 +361,8 @@ class TrackerLink:
                     raise AveragingError(f"the tracker's group for step {step} does not hold this peer")
             if reply.next_allotment is not None and reply.global_step == step + 1:
                 self.allotment.heard(step + 1, reply.next_allotment)
+            if reply.inner is not None:
+                self.run.trainer.heard_inner(reply.inner)
             return Group("group", phases, reply.global_step, reply.spot_check)
         if reply.status == "open":
             # no reachable peer was ready: nothing was averaged; wait for a fresh view of the step
@@ -387,4 +391,5 @@ def progress_report(
         compute_share=meter.compute_share(),
         eval=data.heldout.report,
         upload_bps=run.averager.upload_bps,
+        averaging_s=meter.averaging_s,
     )

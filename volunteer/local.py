@@ -8,8 +8,10 @@ samples with the run's optimizer (its own state, never averaged), one every ``in
 over its pseudo-gradient ``Δ = anchor − parameters`` and goes back to the anchor; the peers all-reduce
 ``Δ`` weighted by their samples, exactly as they average a gradient in every-step mode, and every peer takes
 the same *outer* step from the anchor: Nesterov SGD with ``outer_lr`` and ``outer_momentum`` on the mean
-``Δ``. The inner learning rate of a round's ``j``-th inner step is the run's schedule at ``anchor_step × H +
-j``, where ``anchor_step`` is the global step of the anchor (the outer steps applied to it).
+``Δ``. The inner learning rate of a round's ``j``-th inner step is the run's schedule at ``B + j``, where ``B``
+is the inner steps of the outer steps before the anchor's global step ``anchor_step``: ``anchor_step × H``,
+or with ``inner_steps = "auto"`` the sum of the H the tracker chose for each (:class:`InnerClock`, told by
+its heartbeats' and ready calls' replies).
 
 :class:`LocalTrainer` is a :class:`~crowdtrain.volunteer.trainer.Trainer` whose accumulation takes the inner
 steps, whose ``take_grad`` hands out ``Δ`` and whose ``apply`` takes the outer step; everything the engine
@@ -21,15 +23,61 @@ next round closes, and the next round's inner steps start from the anchor before
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
-from crowdtrain.protocol.messages import RunSpec
+from crowdtrain.protocol.messages import AveragingSpec, InnerSteps, RunSpec
 from crowdtrain.volunteer.models.recipe import Recipe
 from crowdtrain.volunteer.schedule import learning_rate
 from crowdtrain.volunteer.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+KEPT_STEPS = 64  # the steps whose inner steps before them an InnerClock keeps
+
+
+class InnerClock:
+    """The inner steps of the outer steps before each global step: where a round's inner learning rates start
+    on the run's schedule. ``step × H`` for a fixed H; with ``inner_steps = "auto"``, as the tracker tells."""
+
+    def __init__(self, avg: AveragingSpec) -> None:
+        self.fixed = None if avg.auto_inner_steps else avg.first_inner_steps
+        self.first = avg.first_inner_steps
+        self._before: dict[int, int] = {}
+        self._h: dict[int, int] = {}
+        self._guessed: int | None = None  # the last step guessed (logged once)
+
+    def heard(self, inner: InnerSteps) -> None:
+        s = inner.step
+        self._h[s] = inner.h
+        self._before[s] = inner.before
+        self._before[s + 1] = inner.before + inner.h
+        if s > 0 and inner.previous:
+            self._h[s - 1] = inner.previous
+            self._before[s - 1] = inner.before - inner.previous
+        for kept in (self._before, self._h):
+            for old in [k for k in kept if k < s - KEPT_STEPS]:
+                del kept[old]
+
+    def h(self, step: int) -> int:
+        """The H of ``step``'s round as heard (a fixed run's H; the first round's until heard)."""
+        return self.fixed if self.fixed is not None else self._h.get(step, self.first)
+
+    def before(self, step: int) -> int:
+        """The inner steps of the outer steps before ``step``."""
+        if self.fixed is not None:
+            return step * self.fixed
+        if step in self._before:
+            return self._before[step]
+        known = [k for k in self._before if k < step]
+        base, last = (max(known), self._before[max(known)]) if known else (0, 0)
+        if self._guessed != step:  # (a peer hears its step's figures before its first inner step: not seen)
+            self._guessed = step
+            log.warning("the inner steps before step %d were not heard; counting from step %d's", step, base)
+        return last + (step - base) * self.first
 
 
 def make_trainer(
@@ -52,7 +100,7 @@ class LocalTrainer(Trainer):
     ) -> None:
         super().__init__(recipe, model, spec.optimizer, spec.schedule, device=device)
         avg = spec.averaging
-        self.inner_steps = avg.inner_steps
+        self.clock = InnerClock(avg)
         self.inner_batch = avg.inner_batch_size or spec.micro_batch_size
         self.outer_lr = avg.outer_lr
         self.inner = self.optimizer  # the run's optimizer: this peer's own state, never averaged
@@ -66,6 +114,9 @@ class LocalTrainer(Trainer):
         self.anchor_step = step
         self._round_samples = 0
         self._set_anchor(step)
+
+    def heard_inner(self, inner: InnerSteps) -> None:
+        self.clock.heard(inner)
 
     # ------------------------------------------------------------------ the round
 
@@ -90,7 +141,7 @@ class LocalTrainer(Trainer):
         self._grad[: self.param_numel].div_(self._samples)
         self._clip()
         lr = learning_rate(
-            self.anchor_step * self.inner_steps + self.inner_taken, self.optimizer_spec, self.schedule_spec
+            self.clock.before(self.anchor_step) + self.inner_taken, self.optimizer_spec, self.schedule_spec
         )
         for group in self.inner.param_groups:
             group["lr"] = lr

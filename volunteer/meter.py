@@ -37,6 +37,9 @@ class Meter:
         self._useful_s = 0.0
         self._micro_batches = 0
         self._last_report = 0.0
+        self.averaging_s: float | None = (
+            None  # its last step's averaging: gradient handed over → mean in hand
+        )
 
     def start(self, started: float) -> None:
         """A micro-batch starts (monotonic seconds): the compute share counts from the first."""
@@ -87,6 +90,10 @@ class Meter:
     def drop_step(self) -> None:
         self._step_loss = (0.0, 0)
         self._step_compute_s = 0.0
+
+    def averaged(self, seconds: float) -> None:
+        """A step's averaging took ``seconds`` (reported to the tracker: ``inner_steps = "auto"``)."""
+        self.averaging_s = seconds
 
     def counted(self, compute_s: float) -> None:
         """``compute_s`` seconds of compute entered an applied average."""

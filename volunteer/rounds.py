@@ -250,6 +250,7 @@ class Rounds:
         over, before the average is applied (delay 0: the model still holds the step's parameters)."""
         checkable = self.run.spec.averaging.checkable
         check = rnd.check if rnd.phases and checkable and not rnd.catching_up else None
+        began = time.monotonic()
         if check is not None:
             self.checker.wants(check, rnd.phases[0])
         try:
@@ -261,6 +262,8 @@ class Rounds:
             if check is not None:  # (nothing to compare: the tracker forgets the check in a few steps)
                 self.checker.drop(rnd.phases[0])
             return rnd
+        if rnd.phases:  # (what a round of this step's members takes: the tracker sizes local rounds by it)
+            self.meter.averaged(time.monotonic() - began)
         if check is not None:
             # (checking takes a share's compute: the parameter round this peer joins late must not cut it)
             ahead = [

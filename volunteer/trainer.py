@@ -35,7 +35,7 @@ from crowdtrain.protocol.errors import (
     RecipeError,
     StateSyncError,
 )
-from crowdtrain.protocol.messages import OptimizerSpec, ScheduleSpec
+from crowdtrain.protocol.messages import InnerSteps, OptimizerSpec, ScheduleSpec
 from crowdtrain.protocol.runcheck import check_optimizer, check_schedule
 from crowdtrain.volunteer.models.recipe import Recipe
 from crowdtrain.volunteer.schedule import learning_rate
@@ -282,6 +282,10 @@ class Trainer:
         self._samples = 0
         self._consumed = True  # (not zeroed here: the caller overwrites every value)
         return self._grad.numpy()
+
+    def heard_inner(self, inner: InnerSteps) -> None:
+        """The tracker's word on a local-steps run's inner steps (:class:`~crowdtrain.volunteer.local.LocalTrainer`);
+        nothing to an every-step trainer."""
 
     def reset_accumulation(self) -> None:
         """Forget the accumulated gradient and samples."""

@@ -36,9 +36,35 @@ def _bt(p) -> str:
 def mode(status) -> str:  # status: RunStatus
     """The run's averaging mode in a few words: every step, or local steps (a global step is an outer round)."""
     codec = f", codec {status.codec}" if status.codec else ""
+    if status.inner_auto:
+        return (
+            f"local steps: a global step is an outer round of H × the target, H chosen by the tracker each round"
+            f" (now {status.inner_steps}){codec}"
+        )
     if status.inner_steps > 1:
         return f"local steps: a global step is an outer round of {status.inner_steps} × the target, in inner steps{codec}"
     return f"every step averages a gradient{codec}"
+
+
+def _recent_steps(status) -> list[str]:  # status: RunStatus
+    """The recent steps' table (with each round's H where the tracker chooses it)."""
+    if not status.recent_steps:
+        return []
+    lines: list[str] = ["  recent steps:"]
+    auto = status.inner_auto  # (each round's H, where the tracker chooses it)
+    lines.append(
+        f"    {'step':>6} {'duration':>9} {'samples':>9} {'peers':>6} {'groups':>6}"
+        + (f" {'H':>4}" if auto else "")
+        + f" {'loss':>7} {'closed':>10}"
+    )
+    for s in status.recent_steps:
+        ago = max(0.0, time.time() - s.closed_at)
+        lines.append(
+            f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6}"
+            + (f" {s.inner_steps:>4}" if auto else "")
+            + f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
+        )
+    return lines
 
 
 def _run_progress(status) -> str:  # status: RunStatus
@@ -74,17 +100,7 @@ def format_status(status) -> str:  # status: RunStatus
                 f" {fmt_percent(p.compute_share):>7} {_upload(p.upload_bps):>10} {p.chunks_held:>6}  {_bt(p):<10}"
                 f"  {_reach(p)}"
             )
-    if status.recent_steps:
-        lines.append("  recent steps:")
-        lines.append(
-            f"    {'step':>6} {'duration':>9} {'samples':>9} {'peers':>6} {'groups':>6} {'loss':>7} {'closed':>10}"
-        )
-        for s in status.recent_steps:
-            ago = max(0.0, time.time() - s.closed_at)
-            lines.append(
-                f"    {s.step:>6} {s.duration_s:>8.1f}s {s.samples:>9,} {s.peers:>6} {s.groups:>6}"
-                f" {'-' if s.loss is None else f'{s.loss:.3f}':>7} {ago:>7.0f} s ago"
-            )
+    lines.extend(_recent_steps(status))
     if status.credits:
         # (spot-check columns only where the run draws checks: elsewhere they would only ever say 0)
         checks = status.spot_checked

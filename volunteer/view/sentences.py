@@ -103,12 +103,16 @@ def _joined(e: ev.Joined) -> Sentence:
     return "info", (
         f"joined run {e.run_name} ({e.run_id}) at {e.tracker} as {e.peer_id} "
         f"on {e.device}, {where}; global step {e.global_step}, "
-        f"target {e.target_batch_size} samples, recipe {e.recipe}, codec {e.codec}"
-        + (
-            f"; local steps: an outer round of {e.inner_steps} inner steps' samples"
-            if e.inner_steps > 1
-            else ""
-        )
+        f"target {e.target_batch_size} samples, recipe {e.recipe}, codec {e.codec}" + _local_steps(e)
+    )
+
+
+def _local_steps(e: ev.Joined) -> str:
+    if e.inner_bounds is not None:
+        lo, hi = e.inner_bounds
+        return f"; local steps: an outer round of H inner steps' samples, H chosen by the tracker from {lo} to {hi}"
+    return (
+        f"; local steps: an outer round of {e.inner_steps} inner steps' samples" if e.inner_steps > 1 else ""
     )
 
 
