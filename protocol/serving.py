@@ -25,6 +25,7 @@ import socket
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from aiohttp import web
 
@@ -68,8 +69,9 @@ class _Bounded(asyncio.Protocol):
         if origin is not None:
             address = origin.address
             if self._open[address] >= MAX_CONNECTIONS_PER_ADDRESS:
-                assert isinstance(transport, asyncio.WriteTransport)
-                transport.write(_REFUSAL)
+                # (a stream transport writes: asyncio's is a WriteTransport, uvloop's TCPTransport is not one
+                # by class, so an isinstance check failed there, a traceback per connection over the bound)
+                cast(asyncio.WriteTransport, transport).write(_REFUSAL)
                 transport.close()
                 self._refused = True
                 return

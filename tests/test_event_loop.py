@@ -1,5 +1,6 @@
-"""The commands' event loop (crowdtrain.commands.common.new_event_loop): a peer that hangs up in the middle of
-an upload fails the request once, not a second time as a traceback from aiohttp's writer task."""
+"""The commands' event loop (crowdtrain.commands.common.new_event_loop, uvloop where installed): a peer that hangs
+up in the middle of an upload fails the request once, not a second time as a traceback from aiohttp's writer
+task; a connection over the per-address bound gets its 503 sentence on either loop."""
 
 from __future__ import annotations
 
@@ -77,3 +78,58 @@ def test_other_unretrieved_failures_are_still_reported(caplog):
     _run(main)
     reported = [r.getMessage() for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert len(reported) == 1 and "not aiohttp's writer" in reported[0], reported
+
+
+async def _over_the_bound() -> tuple[str, bytes]:
+    """The answer to one connection more than the bound from one address (127.0.0.2: counted), on the running
+    loop (its module's name too)."""
+    from aiohttp import web
+
+    from crowdtrain.protocol.serving import (
+        MAX_CONNECTIONS_PER_ADDRESS,
+        bind_listener,
+        start_serving,
+        stop_serving,
+    )
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = bind_listener("127.0.0.1", 0, 256)
+    port = sock.getsockname()[1]
+    await start_serving(runner, [sock], 256)
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS_PER_ADDRESS):
+            held.append(await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0)))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        answer = await asyncio.wait_for(reader.read(), 10)  # (then closed)
+        writer.close()
+        return type(asyncio.get_running_loop()).__module__, answer
+    finally:
+        for _, w in held:
+            w.close()
+        await stop_serving(runner, [sock])
+
+
+@pytest.mark.timeout(60)  # (before the fix, uvloop's refusal failed an assertion: no answer, and a hang)
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_the_connection_over_the_per_address_bound_gets_its_sentence_on_either_loop(
+    loop, monkeypatch, caplog
+):
+    from crowdtrain.protocol.serving import MAX_CONNECTIONS_PER_ADDRESS
+
+    monkeypatch.setenv("CROWDTRAIN_LOOP", loop)
+    caplog.set_level(logging.INFO)
+    module, answer = _run(_over_the_bound)
+    assert module.split(".")[0] == loop, module  # (the loop asked for ran)
+    assert answer.startswith(b"HTTP/1.1 503 "), answer
+    assert (
+        f"more than {MAX_CONNECTIONS_PER_ADDRESS} connections are open from your address".encode() in answer
+    )
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failures, failures
