@@ -304,9 +304,14 @@ def alignment(
     phase whose receipts are ``held`` (each with its owner's index; ``plans``: their :func:`factors`, when
     already computed), from their lines alone:
     ``<c, a - f c> / (‖c‖ ‖a - f c‖)``, with ``<c, a> = g / f`` part by part. None when a receipt counts no
-    copy of it with a factor, or a copy or rest has no length. A member whose copy points against the
-    others' round after round pulls against the run (docs/security.md, "A member that pulls")."""
+    copy of it with a factor, or a copy or rest has no length, or **one other member's term outweighs the
+    rest of the others' together** (its factor × norm over the parts against theirs summed): the cosine then
+    says only that two copies disagree, not which of them pulls (a member with half a step's weight pointing
+    against the run made every honest member's copy point against "the others" at -0.9). A member whose copy
+    points against the others' round after round pulls against the run (docs/security.md, "A member that
+    pulls")."""
     dot = copy2 = rest2 = 0.0
+    terms2: dict[int, float] = {}  # each other member's term, squared length over the parts
     for k, (r, owner) in enumerate(held):
         f = plans[k] if plans else factors(r, owner, clip_multiple)
         ln = r.lines[member] if 0 <= member < len(r.lines) else None
@@ -316,6 +321,10 @@ def alignment(
         dot += ln.g / fm - fm * ln.norm**2
         copy2 += ln.norm**2
         rest2 += r.answer_norm2 - 2 * ln.g + (fm * ln.norm) ** 2
-    if not held or copy2 <= 0 or rest2 <= 0:
+        for j, other in enumerate(r.lines):
+            if j != member and other.counted and f[j] > 0:
+                terms2[j] = terms2.get(j, 0.0) + (f[j] * other.norm) ** 2
+    terms = sorted((math.sqrt(t) for t in terms2.values()), reverse=True)
+    if not held or copy2 <= 0 or rest2 <= 0 or len(terms) < 2 or terms[0] >= math.fsum(terms[1:]):
         return None
     return max(-1.0, min(1.0, dot / math.sqrt(copy2 * rest2)))

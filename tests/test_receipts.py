@@ -277,3 +277,35 @@ async def test_the_tracker_bars_a_member_whose_copies_pull_against_the_others_by
     assert gone.value.status == 410 and "pointed against the other members'" in str(gone.value)
     status = await admin.status(run_id)
     assert "signed receipts" in {c.public_key: c.barred for c in status.credits}[peers["x"].key.public_hex]
+
+
+def test_a_pull_is_read_only_against_others_that_no_single_member_outweighs():
+    """``receipts.alignment``: a member that holds most of the others' weight and points against the run makes
+    every honest member's copy point against "the others"; the cosine then says only that two copies disagree,
+    so it names no one (None). With the weight spread, the one that points against the rest is found."""
+    rng = np.random.default_rng(7)
+
+    def held(weights: list[float], flip: int) -> list[tuple[receipts.Receipt, int]]:
+        """Two parts' receipts (no clipping: factors are the weights' shares); member ``flip`` points against."""
+        out = []
+        for part in range(2):
+            base = rng.standard_normal(64)
+            copies = [base + 0.3 * rng.standard_normal(64) for _ in weights]
+            copies[flip] = -copies[flip]
+            copies = [c / np.linalg.norm(c) for c in copies]
+            f = [w / sum(weights) for w in weights]
+            answer = sum(fi * c for fi, c in zip(f, copies, strict=True))
+            lines = tuple(
+                receipts.Line(w, 1.0, fi * float(c @ answer), i)
+                for i, (w, fi, c) in enumerate(zip(weights, f, copies, strict=True))
+            )
+            out.append((receipts.Receipt(part, False, float(answer @ answer), b"\0" * 16, lines), part))
+        return out
+
+    threshold = receipts.pull_cos(local=False)
+    spread = held([1.0, 1.0, 1.0, 1.0], flip=3)
+    assert receipts.alignment(spread, 3, 0.0) < threshold  # the one against the rest
+    assert receipts.alignment(spread, 0, 0.0) > 0  # an honest one, with the rest
+    heavy = held([1.0, 1.0, 1.0, 6.0], flip=3)  # the one against holds 2/3 of the weight
+    assert receipts.alignment(heavy, 3, 0.0) < threshold  # (it is still against the others: they are alike)
+    assert receipts.alignment(heavy, 0, 0.0) is None  # the honest ones: "the others" are mostly it
