@@ -14,7 +14,8 @@ group of 4; local rows add ``inner_steps = H`` and ``inner_batch_size = 64``.
     python bench/homelinks.py --uplink 20mbit,2mbit,2mbit,2mbit --configs 1:int8:0:equal,1:int8:0:upload
 
 A configuration is ``H:codec:delay`` or ``H:codec:delay:parts`` (``[averaging] part_sizes``: ``upload``, the
-default, or ``equal``), or ``H:defaults`` (the run file sets ``inner_steps = H`` alone: the local-steps defaults); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
+default, or ``equal``), or ``H:defaults`` (the run file sets ``inner_steps = H`` alone: the local-steps defaults;
+``auto:defaults``: ``inner_steps = "auto"`` alone, and the row's H are each round's, from ``crowdtrain status``); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
 every-step row ``--steps``), then the volunteers are stopped with Ctrl-C. Measured from outside, from the
 volunteers' ``--json`` events and the hosts' qdiscs:
 - compute share: each volunteer's last ``StepDone.compute_share`` (the share of its wall time since its first
@@ -43,6 +44,7 @@ sys.path.insert(0, str(REPO))  # tests/ holds the namespace helper and the READM
 from tests.netns import Network  # noqa: E402
 from tests.test_across_hosts import Cli, Published  # noqa: E402
 from tests.test_homelinks import HOME_TOML, tbf_bytes_sent  # noqa: E402
+from tests.test_local_steps import inner_steps_of  # noqa: E402
 
 SEQ_LEN = 64
 NAMES = ("v1", "v2", "v3", "v4")
@@ -74,10 +76,10 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def _config(text: str) -> tuple[int, str, int, str]:
+def _config(text: str) -> tuple[int | str, str, int, str]:
     h, codec, *rest = text.split(":")
     if codec == DEFAULTS:  # ``H:defaults``: the run file sets inner_steps alone
-        return int(h), codec, -1, "upload"
+        return (h if h == "auto" else int(h)), codec, -1, "upload"
     delay, *parts = rest
     return int(h), codec, int(delay), parts[0] if parts else "upload"
 
@@ -85,19 +87,19 @@ def _config(text: str) -> tuple[int, str, int, str]:
 DEFAULTS = "defaults"
 
 
-def run_file(h: int, codec: str, delay: int, parts: str = "upload") -> str:
+def run_file(h: int | str, codec: str, delay: int, parts: str = "upload") -> str:
     """The test's run file with this row's [averaging] lines (H = 1: the every-step mode; codec ``defaults``:
     ``inner_steps = H`` alone, the rest the spec's local-steps defaults)."""
     base = HOME_TOML
     for line in ('codec = "sparse"\n', "inner_steps = 10\n", "inner_batch_size = 64\n"):
         base = base.replace(line, "")
     if codec == DEFAULTS:
-        return base + f"inner_steps = {h}\n"
+        return base + ('inner_steps = "auto"\n' if h == "auto" else f"inner_steps = {h}\n")
     lines = f'codec = "{codec}"\ndelay = {delay}\npart_sizes = "{parts}"\n'
     return base + lines + (f"inner_steps = {h}\ninner_batch_size = 64\n" if h > 1 else "")
 
 
-def one_row(h: int, codec: str, delay: int, parts: str, args: argparse.Namespace, tmp: Path) -> dict:
+def one_row(h: int | str, codec: str, delay: int, parts: str, args: argparse.Namespace, tmp: Path) -> dict:
     steps = args.steps if h == 1 else args.rounds
     with Network(["tracker", "seeder", *NAMES]) as net:
         for n in NAMES:
@@ -106,9 +108,12 @@ def one_row(h: int, codec: str, delay: int, parts: str, args: argparse.Namespace
         vols: dict[str, Cli] = {n: pub.join(net.hosts[n], tmp) for n in NAMES}
         before = {n: tbf_bytes_sent(net.hosts[n]) for n in NAMES}
         started = time.monotonic()
+        chosen: list[int] = []
         try:
             for v in vols.values():
                 v.wait_for(f"{steps} steps", lambda v=v: len(v.of("StepDone")) >= steps + 1, args.timeout)
+            if h == "auto":
+                chosen = inner_steps_of(pub.status(net.hosts["seeder"]))
         finally:
             for v in vols.values():
                 v.interrupt(60)
@@ -164,7 +169,7 @@ def one_row(h: int, codec: str, delay: int, parts: str, args: argparse.Namespace
         "MB up/step": statistics.fmean(up.values()) / 1e6 / max(1, end),
         "bytes/token": statistics.fmean(per_token),
         "wall": wall,
-        "notes": notes,
+        "notes": notes + ([f"H by round: {chosen}"] if chosen else []),
     }
 
 

@@ -14,6 +14,7 @@ last chunk is never trained on.
 "min_lr_ratio": 0.1}`` with T = ceil(tokens / (256 × seq_len)), the every-step run's step count for the budget
 (120 for 1,966,080 tokens), and W = ``--warmup-steps`` (default 0; it applies to the constant schedule too).
 A local run's inner learning rate follows the schedule at the global-equivalent step ``anchor_step × H + j``
+(with "auto", the sum of the H before the anchor, + j)
 (volunteer/local.py), so the same schedule decays over the same samples in both modes; the outer step keeps
 its constant outer_lr.
 
@@ -26,6 +27,12 @@ its constant outer_lr.
     .venv/bin/python bench/lowcomm.py --tokens 1966080 --schedule cosine --configs 1:int8,30:int2
     .venv/bin/python bench/lowcomm.py --schedule cosine --warmup-steps 10       # linear warm-up, then cosine
     .venv/bin/python bench/lowcomm.py --quick --configs 1:int8,10:int8 --clip 5  # what the default clip of 1 costs
+    .venv/bin/python bench/lowcomm.py --configs 1:int8,30:defaults,auto:defaults  # inner_steps alone, or "auto"
+
+``H:defaults`` and ``auto:defaults``: the run's [averaging] sets ``inner_steps`` (and the group size) alone and
+gets what ``run create`` fills in (the local-steps defaults: int2, delay 1, outer 0.9 / 0.95, the inner batch the
+micro-batch's). An "auto" row's budget is counted at its smallest H (``inner_steps_min``): where the tracker
+chose a larger one, it trained on more tokens (its tokens column says how many) and its notes list each round's H.
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,
@@ -85,8 +92,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--configs",
         default="1:int8,10:int8,30:int8,10:none,10:sparse,30:sparse",
-        help="H:codec or H:codec:outer_lr:outer_momentum[:inner_batch], comma-separated (default outer step: "
-        "0.7, 0.9; inner batch 64)",
+        help="H:codec or H:codec:outer_lr:outer_momentum[:inner_batch], or H:defaults / auto:defaults, "
+        "comma-separated (default outer step: 0.7, 0.9; inner batch 64)",
     )
     ap.add_argument("--volunteers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
@@ -112,10 +119,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def config(text: str) -> tuple[int, str, tuple[float, ...] | None]:
+DEFAULTS = "defaults"
+
+
+def config(text: str) -> tuple[int | str, str, tuple[float, ...] | None]:
     """``H:codec``, ``H:codec:outer_lr:outer_momentum`` or ``H:codec:outer_lr:outer_momentum:inner_batch``
-    → (H, codec, outer step [and inner batch] or None: the defaults)."""
+    → (H, codec, outer step [and inner batch] or None: the defaults); ``H:defaults`` or ``auto:defaults``: the
+    run's [averaging] sets ``inner_steps`` alone (and the group size), the rest is what ``run create`` fills in
+    (protocol.messages.with_mode_defaults)."""
     h, codec, *outer = text.split(":")
+    if codec == DEFAULTS and not outer:
+        return (h if h == "auto" else int(h)), codec, None
     if outer and len(outer) not in (2, 3):
         raise SystemExit(
             f"--configs: {text!r} is not H:codec or H:codec:outer_lr:outer_momentum[:inner_batch]"
@@ -132,13 +146,16 @@ def schedule_spec(args, seq_len: int) -> dict:
             "min_lr_ratio": MIN_LR_RATIO}  # fmt: skip
 
 
-async def create_run(tracker, data: Path, h: int, codec: str, margs: dict, args, outer=None) -> Any:
+async def create_run(tracker, data: Path, h: int | str, codec: str, margs: dict, args, outer=None) -> Any:
     from crowdtrain.protocol.client import TrackerClient
+    from crowdtrain.protocol.messages import with_mode_defaults
     from crowdtrain.publisher import build_run_create
 
     averaging: dict[str, Any] = {"group_size": args.volunteers, "codec": codec, "inner_steps": h,
                                  "step_timeout_s": STEP_TIMEOUT_S}  # fmt: skip
-    if h > 1:
+    if codec == DEFAULTS:  # (as run create reads a run file that sets inner_steps alone)
+        averaging = with_mode_defaults({"group_size": args.volunteers, "inner_steps": h})
+    elif isinstance(h, int) and h > 1:
         averaging["inner_batch_size"] = INNER_BATCH if outer is None or len(outer) < 3 else int(outer[2])
     if outer is not None:
         averaging["outer_lr"], averaging["outer_momentum"] = outer[:2]
@@ -212,11 +229,16 @@ async def step_history(url: str, run_id: str) -> dict[int, Any]:
 
 
 async def one_run(
-    tracker, data: Path, h: int, codec: str, margs: dict, args, workdir: Path, outer=None
+    tracker, data: Path, h: int | str, codec: str, margs: dict, args, workdir: Path, outer=None
 ) -> dict:
-    steps = math.ceil(args.tokens / (TARGET * margs["seq_len"] * h))
     spec = await create_run(tracker, data, h, codec, margs, args, outer)
+    # ("auto": the budget at its smallest H; a larger H the tracker chooses trains on more tokens, as reported)
+    least = spec.averaging.first_inner_steps
+    steps = math.ceil(args.tokens / (TARGET * margs["seq_len"] * least))
     workdir = workdir / (f"h{h}-{codec}" + ("-" + "-".join(f"{x:g}" for x in outer) if outer else ""))
+    if codec == DEFAULTS:  # (the row's label: what the defaults were)
+        a = spec.averaging
+        codec = f"defaults: {a.codec}, delay {a.delay}, outer {a.outer_lr:g}/{a.outer_momentum:g}"
     if outer is not None:  # (the row's label)
         codec = f"{codec}, outer {outer[0]:g}/{outer[1]:g}" + (
             f", inner {outer[2]:g}" if len(outer) > 2 else ""
@@ -245,6 +267,10 @@ async def one_run(
     state = await asyncio.to_thread(final_state, procs, workdir, spec.run_id, steps)
     row = measure(procs, records, steps, margs["seq_len"])
     row.update(h=h, codec=codec, wall=wall, spec=spec, loss=None)
+    if h == "auto":  # (each round's H, as the tracker recorded it)
+        chosen = [records[s].inner_steps for s in sorted(records) if s < steps]
+        row["h"] = f"auto ({min(chosen)}–{max(chosen)})"
+        row["notes"].insert(0, f"H by round: {chosen}")
     row["loss"] = await asyncio.to_thread(heldout_loss, spec, state, args.batch)
     return row
 

@@ -1,7 +1,9 @@
 """Home links: four volunteers on four hosts whose uplinks are shaped to 2 Mbit/s (``tbf``; this kernel has no
-``netem``, so rate but no added delay), in local-steps mode (``inner_steps = 10``, codec sparse), started with
-the README's commands. Every volunteer takes every global step, the loss falls, and the all-reduce's bytes
-really crossed the shaped links (the ``tbf`` qdiscs' own counters), not loopback.
+``netem``, so rate but no added delay), in local-steps mode as a new publisher sets it: ``inner_steps = "auto"``
+alone (the tracker chooses each round's H; the rest the local-steps defaults: int2, delay 1), started with the
+README's commands. Every volunteer takes every global step, the loss falls, every round's H is recorded within
+its bounds, and the all-reduce's bytes really crossed the shaped links (the ``tbf`` qdiscs' own counters), not
+loopback.
 
 What such a link costs in compute share is a benchmark's figure (``bench/homelinks.py``), not a test's.
 """
@@ -18,11 +20,12 @@ import pytest
 
 from tests.netns import Host, Network, requires_netns
 from tests.test_across_hosts import Published, global_step
+from tests.test_local_steps import inner_steps_of
 
 pytestmark = [requires_netns, pytest.mark.slow, pytest.mark.timeout(500)]
 
 UPLINK = "2mbit"
-ROUNDS = 3  # global steps (outer rounds) every volunteer takes together
+ROUNDS = 5  # global steps (outer rounds) every volunteer takes together
 # the issue's model: tiny-gpt d_model 128 × 4 layers (0.86 M parameters); a round is 10 × 256 samples
 HOME_TOML = """\
 name = "home links"
@@ -52,6 +55,14 @@ step_timeout_s = 600
 """
 
 
+# what a new publisher writes: the run file above with [averaging] inner_steps = "auto" alone (and the timeout)
+AUTO_TOML = (
+    HOME_TOML.replace('codec = "sparse"\n', "")
+    .replace("inner_steps = 10\n", 'inner_steps = "auto"\n')
+    .replace("inner_batch_size = 64\n", "")
+)
+
+
 def tbf_bytes_sent(host: Host) -> int:
     """Bytes the host's ``tbf`` qdisc on eth0 has sent (its uplink's own counter)."""
     done = host.run([shutil.which("tc") or "/usr/sbin/tc", "-s", "qdisc", "show", "dev", "eth0"], timeout=10)
@@ -66,7 +77,7 @@ def test_four_home_volunteers_on_2_mbit_uplinks_take_every_local_step_and_learn(
     with Network(["tracker", "seeder", *names]) as net:
         for n in names:
             net.hosts[n].shape(UPLINK)
-        pub = Published(net, tmp_path, run_toml=HOME_TOML)
+        pub = Published(net, tmp_path, run_toml=AUTO_TOML)
         vols = {n: pub.join(net.hosts[n], tmp_path) for n in names}
         sent_before = {n: tbf_bytes_sent(net.hosts[n]) for n in names}
         try:
@@ -77,6 +88,7 @@ def test_four_home_volunteers_on_2_mbit_uplinks_take_every_local_step_and_learn(
                     360,
                 )
             end = min(global_step(v) for v in vols.values())
+            status = pub.status(net.hosts["seeder"])
         finally:
             codes = {n: v.interrupt(60) for n, v in vols.items()}
             pub.stop()
@@ -107,6 +119,10 @@ def test_four_home_volunteers_on_2_mbit_uplinks_take_every_local_step_and_learn(
         for s in (first, end - 1)
     }
     assert losses[end - 1] < losses[first], losses
+    # the tracker chose each round's H, within the default bounds (4 to 100), from the minimum before it measured
+    assert "H chosen by the tracker each round" in status, status
+    chosen = inner_steps_of(status)
+    assert len(chosen) >= ROUNDS and chosen[0] == 4 and all(4 <= h <= 100 for h in chosen), status
     # the rounds' bytes crossed the shaped uplinks: each volunteer's qdisc sent at least what it says it sent
     for n, v in vols.items():
         said = sum(e["bytes_sent"] for e in v.of("RoundDone"))
