@@ -15,7 +15,7 @@ group of 4; local rows add ``inner_steps = H`` and ``inner_batch_size = 64``.
 
 A configuration is ``H:codec:delay`` or ``H:codec:delay:parts`` (``[averaging] part_sizes``: ``upload``, the
 default, or ``equal``), or ``H:defaults`` (the run file sets ``inner_steps = H`` alone: the local-steps defaults;
-``auto:defaults``: ``inner_steps = "auto"`` alone, and the row's H are each round's, from ``crowdtrain status``); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
+``auto:defaults``: ``inner_steps = "auto"`` alone, and the row's notes list each round's H, from the step history); ``--uplink`` is one rate for every volunteer or one per volunteer (v1 to v4). Each runs until every volunteer applied ``--rounds`` global steps (an
 every-step row ``--steps``), then the volunteers are stopped with Ctrl-C. Measured from outside, from the
 volunteers' ``--json`` events and the hosts' qdiscs:
 - compute share: each volunteer's last ``StepDone.compute_share`` (the share of its wall time since its first
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import tempfile
@@ -41,10 +42,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # tests/ holds the namespace helper and the README's publisher walk-through
 
-from tests.netns import Network  # noqa: E402
+from tests.netns import Host, Network  # noqa: E402
 from tests.test_across_hosts import Cli, Published  # noqa: E402
 from tests.test_homelinks import HOME_TOML, tbf_bytes_sent  # noqa: E402
-from tests.test_local_steps import inner_steps_of  # noqa: E402
 
 SEQ_LEN = 64
 NAMES = ("v1", "v2", "v3", "v4")
@@ -99,6 +99,17 @@ def run_file(h: int | str, codec: str, delay: int, parts: str = "upload") -> str
     return base + lines + (f"inner_steps = {h}\ninner_batch_size = 64\n" if h > 1 else "")
 
 
+def inner_steps_history(pub: Published, host: Host) -> list[int]:
+    """Each closed step's H, oldest first, from the run's step history (``GET .../history``) read on ``host``."""
+    url = f"{pub.url}/api/v1/runs/{pub.run_id}/history?limit=500"
+    code = (
+        "import json, urllib.request; "
+        f"print(json.dumps([s['inner_steps'] for s in json.load(urllib.request.urlopen({url!r}))['steps']]))"
+    )
+    done = host.run([sys.executable, "-c", code], timeout=60)
+    return json.loads(done.stdout) if done.returncode == 0 else []
+
+
 def one_row(h: int | str, codec: str, delay: int, parts: str, args: argparse.Namespace, tmp: Path) -> dict:
     steps = args.steps if h == 1 else args.rounds
     with Network(["tracker", "seeder", *NAMES]) as net:
@@ -113,7 +124,7 @@ def one_row(h: int | str, codec: str, delay: int, parts: str, args: argparse.Nam
             for v in vols.values():
                 v.wait_for(f"{steps} steps", lambda v=v: len(v.of("StepDone")) >= steps + 1, args.timeout)
             if h == "auto":
-                chosen = inner_steps_of(pub.status(net.hosts["seeder"]))
+                chosen = inner_steps_history(pub, net.hosts["seeder"])
         finally:
             for v in vols.values():
                 v.interrupt(60)

@@ -32,7 +32,8 @@ its constant outer_lr.
 ``H:defaults`` and ``auto:defaults``: the run's [averaging] sets ``inner_steps`` (and the group size) alone and
 gets what ``run create`` fills in (the local-steps defaults: int2, delay 1, outer 0.9 / 0.95, the inner batch the
 micro-batch's). An "auto" row's budget is counted at its smallest H (``inner_steps_min``): where the tracker
-chose a larger one, it trained on more tokens (its tokens column says how many) and its notes list each round's H.
+chose a larger one, it trained on more tokens (its tokens column says how many; give the other rows that many
+with ``--tokens`` in a second run to compare at equal tokens) and its notes list each round's H.
 
 How each figure is measured (from outside: the volunteers' JSON events, the tracker, their kept state):
 - steps: global steps (outer rounds) the run closed; each run stops at the round that reaches the budget,
@@ -233,7 +234,11 @@ async def one_run(
 ) -> dict:
     spec = await create_run(tracker, data, h, codec, margs, args, outer)
     # ("auto": the budget at its smallest H; a larger H the tracker chooses trains on more tokens, as reported)
-    least = spec.averaging.first_inner_steps
+    least = (
+        spec.averaging.inner_steps_min
+        if spec.averaging.auto_inner_steps
+        else spec.averaging.first_inner_steps
+    )
     steps = math.ceil(args.tokens / (TARGET * margs["seq_len"] * least))
     workdir = workdir / (f"h{h}-{codec}" + ("-" + "-".join(f"{x:g}" for x in outer) if outer else ""))
     if codec == DEFAULTS:  # (the row's label: what the defaults were)

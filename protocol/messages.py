@@ -107,6 +107,12 @@ class ScheduleSpec(Message, frozen=True, kw_only=True):
     min_lr_ratio: float = 0.1
 
 
+# inner_steps = "auto": the H of the first rounds, before any averaging was measured (within the run's bounds).
+# Long rather than short: a round too long costs staleness for a round or two while H halves toward a fast link's,
+# one too short leaves a home uplink's volunteers idle (4 hosts at 2 Mbit/s computed 87-89 % starting at 4).
+AUTO_FIRST_INNER_STEPS = 16
+
+
 class AveragingSpec(Message, frozen=True, kw_only=True):
     group_size: int = 4  # G: members per all-reduce group at most
     min_group_size: int = 1  # a step closes on its ETA only with at least this many ready peers
@@ -168,8 +174,11 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
 
     @property
     def first_inner_steps(self) -> int:
-        """The H of a run's first round: ``inner_steps``, or its lower bound when chosen by the tracker."""
-        return self.inner_steps_min if self.inner_steps == "auto" else self.inner_steps
+        """The H of a run's first rounds: ``inner_steps``, or AUTO_FIRST_INNER_STEPS within the bounds when
+        chosen by the tracker (until a round's averaging was measured)."""
+        if self.inner_steps == "auto":
+            return min(max(AUTO_FIRST_INNER_STEPS, self.inner_steps_min), self.inner_steps_max)
+        return self.inner_steps
 
     @property
     def computes_ahead(self) -> bool:

@@ -114,17 +114,18 @@ async def test_three_volunteers_in_local_steps_equal_a_single_process_replay_of_
 async def test_with_inner_steps_auto_the_tracker_lengthens_rounds_it_cannot_hide_and_the_run_equals_a_replay_of_its_h(
     tmp_path,
 ):
-    """``inner_steps = "auto"`` with a tiny target: a round of 2 inner steps computes in a few hundredths of a
-    second, far less than its averaging takes even on loopback, so the tracker lengthens the rounds (to the
-    bound: 8). Every round's H is in the step history; the volunteers hold one state, equal to the rule
-    replayed with that sequence of H (the inner learning rates start at the sum of the H before)."""
+    """``inner_steps = "auto"`` with a tiny target (8 samples): a round of the first 16 inner steps computes in
+    a few hundredths of a second, far less than twice its averaging takes even on loopback, so the tracker
+    lengthens the rounds (doubling, to the bound: 32). Every round's H is in the step history; the volunteers
+    hold one state, equal to the rule replayed with that sequence of H (the inner learning rates start at the
+    sum of the H before)."""
     rounds_n = 7
     async with published_run(
         tmp_path,
-        target_batch_size=16,
+        target_batch_size=8,
         micro_batch_size=8,
-        averaging={**LOCAL, "delay": 1, "inner_steps": "auto", "inner_steps_min": 2, "inner_steps_max": 8},
-        schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": 60},
+        averaging={**LOCAL, "delay": 1, "inner_steps": "auto", "inner_steps_min": 2, "inner_steps_max": 32},
+        schedule={"kind": "cosine", "warmup_steps": 3, "total_steps": 400},
     ) as run:
         recs = [Recorder() for _ in range(3)]
         vols = volunteers(run, tmp_path, 3, seed=11, record=recs, max_steps=rounds_n)
@@ -135,9 +136,9 @@ async def test_with_inner_steps_auto_the_tracker_lengthens_rounds_it_cannot_hide
             )  # (its recent steps: the 10 newest, all of them here)
     assert all(s.steps_done == rounds_n and s.steps_missed == 0 for s in summaries), summaries
     hs = [r.inner_steps for r in sorted(status.recent_steps, key=lambda r: r.step)][:rounds_n]
-    # nothing measured before the first rounds closed: they take the lower bound; then the measured averaging
-    # lengthens them (never past the bound)
-    assert hs[0] == 2 and max(hs) > 2 and all(2 <= h <= 8 for h in hs), hs
+    # nothing measured before the first rounds closed: they take 16; then the measured averaging lengthens
+    # them (never past the bound)
+    assert hs[0] == 16 and max(hs) > 16 and all(2 <= h <= 32 for h in hs), hs
     assert status.inner_auto and status.target == status.inner_steps * run.spec.target_batch_size
     text = format_status(status)
     assert "H chosen by the tracker each round" in text and inner_steps_of(text) == hs, text
@@ -148,8 +149,8 @@ async def test_with_inner_steps_auto_the_tracker_lengthens_rounds_it_cannot_hide
     reference = local_replay_reference(run.spec, rounds, delay=1, inner_steps=hs)
     for k, expected in enumerate(reference, start=1):
         assert_replayed(recs[0].params[k], expected, f"round {k} (H {hs[k - 1]})")
-    # (the sequence matters: replayed with every round at the lower bound, the inner learning rates differ)
-    wrong = local_replay_reference(run.spec, rounds, delay=1, inner_steps=[2] * rounds_n)
+    # (the sequence matters: replayed with every round at the first H, the inner learning rates differ)
+    wrong = local_replay_reference(run.spec, rounds, delay=1, inner_steps=[16] * rounds_n)
     assert not np.array_equal(wrong[-1], reference[-1])
 
 
@@ -225,7 +226,7 @@ def test_a_run_file_that_sets_only_inner_steps_gets_the_home_link_defaults_and_a
     assert (ten.codec, ten.delay, ten.outer_lr, ten.outer_momentum) == ("int2", 1, 0.9, 0.95)
     assert ten.step_timeout_s == 10 * AveragingSpec().step_timeout_s
     auto = AveragingSpec(**with_mode_defaults({"inner_steps": "auto", "inner_steps_max": 40}))
-    assert auto.local and auto.auto_inner_steps and auto.first_inner_steps == auto.inner_steps_min == 4
+    assert auto.local and auto.auto_inner_steps and auto.first_inner_steps == 16 and auto.inner_steps_min == 4
     assert (
         auto.codec == LOCAL_DEFAULTS["codec"] and auto.step_timeout_s == 40 * AveragingSpec().step_timeout_s
     )

@@ -68,13 +68,18 @@ def _rule(h, averaging_s, rate=1000.0, target=64, computes_ahead=True, bounds=(4
 def test_auto_inner_steps_hide_the_averaging_behind_the_next_rounds_compute():
     # 1,000 samples/s over the run, target 64: an inner step's worth of compute takes 0.064 s
     assert _rule(4, 0.05) == 4  # a LAN: 0.05 s of averaging hides behind the smallest round
-    # a home line: 3 s of averaging needs 1.5 × 3 s of compute = 4.5 s = 70.3 inner steps' worth
-    assert _rule(4, 3.0) == math.ceil(1.5 * 3.0 * 1000 / 64) == 71
-    assert _rule(4, 60.0) == 100  # (never past the bound)
+    # a home line: 3 s of averaging needs 2 × 3 s of compute = 6 s = 93.75 inner steps' worth, reached by
+    # doubling a round at most
+    assert policy.POLICY.auto_hide_margin == 2.0
+    assert _rule(60, 3.0) == math.ceil(2 * 3.0 * 1000 / 64) == 94
+    assert _rule(4, 3.0) == 8 and _rule(8, 3.0) == 16
+    assert _rule(80, 60.0) == 100  # (never past the bound)
     # delay 0: the averaging stops the compute, so H buys a compute share of 0.9 (9 × the averaging)
-    assert _rule(4, 0.5, computes_ahead=False) == math.ceil(9 * 0.5 * 1000 / 64)
-    # one fast round shrinks H by half at most; nothing measured (or no rate) keeps it
+    assert _rule(40, 0.5, computes_ahead=False) == math.ceil(9 * 0.5 * 1000 / 64) == 71
+    # one fast round shrinks H by half at most; nothing measured (or no rate) keeps it; nor does a choice
+    # within 1.25 × of it (69 against 60)
     assert _rule(80, 0.05) == 40
+    assert _rule(60, 2.2) == 60 and _rule(60, 2.8) == math.ceil(2 * 2.8 * 1000 / 64) == 88
     assert _rule(30, None) == 30 and _rule(30, 1.0, rate=0.0) == 30 and _rule(30, math.nan) == 30
 
 
@@ -89,17 +94,21 @@ def test_the_horizon_counts_the_inner_steps_before_each_step_and_a_restarted_tra
         )
 
     auto = AveragingSpec(inner_steps="auto", inner_steps_min=4, inner_steps_max=50, delay=1)
-    h = Horizon(auto, 0)
-    assert (h.h, h.before, h.previous) == (4, 0, 0)
+    h = Horizon(auto, 0)  # (the first rounds: 16, within the bounds)
+    assert (h.h, h.before, h.previous) == (16, 0, 0)
     h.advance(1, 64, 1000.0, [])  # no member reported an averaging time yet
-    # the median of the members' reports: one stranger's 10,000 s moves nothing
-    h.advance(2, 64, 1000.0, [peer(1.0), peer(1.2), peer(10_000.0)])
-    assert (h.inner.step, h.inner.h, h.inner.before, h.inner.previous) == (
-        2,
-        math.ceil(1.5 * 1.2 * 1000 / 64),
-        8,
-        4,
-    )
+    h.advance(2, 64, 1000.0, [peer(1.2)])  # 1.2 s wants 38 inner steps: doubled at most a round
+    assert (h.inner.step, h.inner.h, h.inner.before, h.inner.previous) == (2, 32, 32, 16)
+    h.advance(3, 64, 1000.0, [peer(1.2)])  # (38 is within 1.25 × 32: it stays)
+    assert (h.h, h.before) == (32, 64)
+    h.advance(4, 64, 1000.0, [peer(0.1)])  # a fast link: halved at most, then down to the bound
+    h.advance(5, 64, 1000.0, [peer(0.1)])
+    h.advance(6, 64, 1000.0, [peer(0.1)])
+    assert (h.h, h.previous) == (4, 8)
+    # the median of the members' reports: one stranger's 10,000 s moves nothing (38, not the bound)
+    at60 = Horizon(AveragingSpec(inner_steps="auto", delay=1), 9, (200, 60))
+    at60.advance(10, 64, 1000.0, [peer(1.0), peer(1.2), peer(10_000.0)])
+    assert at60.h == math.ceil(2 * 1.2 * 1000 / 64) == 38
     # restarted at step 2 with the history's (sum, last H): the open step keeps the last H
     restarted = Horizon(auto, 2, (8, 4))
     assert (restarted.h, restarted.before, restarted.previous) == (4, 8, 4)
@@ -111,6 +120,12 @@ def test_the_horizon_counts_the_inner_steps_before_each_step_and_a_restarted_tra
 
 
 def test_the_auto_constants_are_checked():
-    for field, value in [("auto_hide_margin", 0.5), ("auto_share", 1.0), ("auto_shrink", 0.0)]:
+    for field, value in [
+        ("auto_hide_margin", 0.5),
+        ("auto_share", 1.0),
+        ("auto_shrink", 0.0),
+        ("auto_growth", 0.5),
+        ("auto_dead_band", 0.9),
+    ]:
         with pytest.raises(ConfigError, match=field):
             StepPolicy(**{field: value})

@@ -9,8 +9,12 @@ when that compute lasts ``auto_hide_margin`` × the averaging time; with delay 0
 compute, and H is made large enough for a compute share of ``auto_share``. The averaging time is the median
 of what the last round's members reported (``Heartbeat.averaging_s``: from their gradient handed over to the
 mean in hand), so one stranger's report moves nothing. The choice is the smallest H that does it (a shorter
-round is a fresher outer step), within ``[inner_steps_min, inner_steps_max]``, and shrinks by at most
-``auto_shrink`` a round (one quick round on a busy link is not a fast link). Nothing measured yet: H stays.
+round is a fresher outer step), within ``[inner_steps_min, inner_steps_max]``; it moves by at most
+``auto_growth`` × and ``auto_shrink`` × a round (the first rounds' averaging shares the uplink with the data
+set's download: on 2 Mbit/s uplinks an unbounded rule jumped to H ≈ 40, then took rounds to come back to 6),
+and not at all within ``auto_dead_band`` × of it (a round's length moved by a little buys nothing and moves
+every peer's ahead share). Nothing measured yet: H stays at the first rounds' (``AUTO_FIRST_INNER_STEPS``, 16,
+within the bounds).
 
 Each step's H is recorded in the step history (``StepRecord.inner_steps``); the peers hear it with the inner
 steps before it (:class:`~crowdtrain.protocol.messages.InnerSteps`), where their inner learning rates start
@@ -43,8 +47,12 @@ def next_inner_steps(
     share = POLICY.auto_share
     hidden_s = averaging_s * (POLICY.auto_hide_margin if computes_ahead else share / (1 - share))
     wanted = math.ceil(hidden_s * rate / target_batch)
-    floor = math.ceil(h * POLICY.auto_shrink)
-    return min(hi, max(lo, floor, wanted))
+    wanted = min(max(wanted, math.ceil(h * POLICY.auto_shrink)), max(h, math.floor(h * POLICY.auto_growth)))
+    if h / POLICY.auto_dead_band <= wanted <= h * POLICY.auto_dead_band:
+        wanted = (
+            h  # (a change of a round's length by a little costs more than it buys: the ahead shares move)
+        )
+    return min(hi, max(lo, wanted))
 
 
 class Horizon:

@@ -36,7 +36,8 @@ time it is asked at.
   and at most ``gather_s``. A live volunteer answers a close within a round trip (its step watch wakes it, or
   its micro-batch in flight ends; on a home line its answers are slower, and so is its wait); one that does
   not is asleep, and the others do not wait ``gather_s`` for it.
-* **A round's inner steps** (``inner_steps = "auto"``): ``auto_hide_margin``, ``auto_share``, ``auto_shrink``;
+* **A round's inner steps** (``inner_steps = "auto"``): ``auto_hide_margin``, ``auto_share``, ``auto_shrink``,
+  ``auto_growth``, ``auto_dead_band``;
   the rule is :func:`crowdtrain.tracker.horizon.next_inner_steps`.
 """
 
@@ -70,9 +71,11 @@ class StepPolicy:
     answer_floor_s: float = 0.15
     answer_decay: float = 0.8
     answer_growth: float = 2.0
-    auto_hide_margin: float = 1.5  # inner_steps = "auto" (tracker/horizon.py): compute ≥ this × averaging
+    auto_hide_margin: float = 2.0  # inner_steps = "auto" (tracker/horizon.py): compute ≥ this × averaging
     auto_share: float = 0.9  # ... and with delay 0, the compute share it aims at
     auto_shrink: float = 0.5  # ... and the most H shrinks a round, as a fraction of it
+    auto_growth: float = 2.0  # ... and the most it grows a round, as a multiple of it
+    auto_dead_band: float = 1.25  # ... and H stays while the rule's choice is within this factor of it
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -83,9 +86,10 @@ class StepPolicy:
             raise ConfigError("straggle_check_s", "must be above 0 (the tracker looks this often)")
         if self.late_factor < 1 or self.answer_growth < 1 or self.answer_factor < 1:
             raise ConfigError("late_factor", "late_factor, answer_factor and answer_growth must be 1 or more")
-        if self.auto_hide_margin < 1:
+        if self.auto_hide_margin < 1 or self.auto_growth < 1 or self.auto_dead_band < 1:
             raise ConfigError(
-                "auto_hide_margin", "must be 1 or more (the averaging hidden behind the compute)"
+                "auto_hide_margin",
+                "auto_hide_margin, auto_growth and auto_dead_band must be 1 or more",
             )
         for name in ("spare_fraction", "steal_fraction", "answer_decay", "auto_shrink"):
             if not 0 < getattr(self, name) <= 1:
