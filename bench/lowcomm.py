@@ -30,7 +30,7 @@ its constant outer_lr.
     .venv/bin/python bench/lowcomm.py --configs 1:int8,30:defaults,auto:defaults  # inner_steps alone, or "auto"
 
 ``H:defaults`` and ``auto:defaults``: the run's [averaging] sets ``inner_steps`` (and the group size) alone and
-gets what ``run create`` fills in (the local-steps defaults: int2, delay 1, outer 0.9 / 0.95, the inner batch the
+gets what ``run create`` fills in (the local-steps defaults: int2, delay 0, outer 0.9 / 0.95, the inner batch the
 micro-batch's). An "auto" row's budget is counted at its smallest H (``inner_steps_min``): where the tracker
 chose a larger one, it trained on more tokens (its tokens column says how many; give the other rows that many
 with ``--tokens`` in a second run to compare at equal tokens) and its notes list each round's H.
@@ -96,6 +96,7 @@ def parse_args() -> argparse.Namespace:
         help="H:codec or H:codec:outer_lr:outer_momentum[:inner_batch], or H:defaults / auto:defaults, "
         "comma-separated (default outer step: 0.7, 0.9; inner batch 64)",
     )
+    ap.add_argument("--delay", type=int, choices=(0, 1), default=None, help="every row's [averaging] delay")
     ap.add_argument("--volunteers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -162,6 +163,8 @@ async def create_run(tracker, data: Path, h: int | str, codec: str, margs: dict,
         averaging["outer_lr"], averaging["outer_momentum"] = outer[:2]
     if args.clip is not None:
         averaging["clip_multiple"] = args.clip
+    if args.delay is not None:
+        averaging["delay"] = args.delay
     create = await asyncio.to_thread(
         build_run_create, data, name=f"lowcomm H={h} {codec}", model={"recipe": "tiny-gpt", "args": margs},
         target_batch_size=TARGET, micro_batch_size=MICRO, optimizer={"name": "adamw", "lr": 1e-3},

@@ -210,12 +210,12 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
         return every > 0 and (step + 1) % every == 0
 
 
-# What a local-steps run (``inner_steps`` > 1) gets where its spec's [averaging] table says nothing: the settings
-# measured best on home uplinks (docs/run-spec.md, "A recipe for home links"): 2-bit updates sent while the next
-# round computes (a compute share of 0.90-0.99 on 2 Mbit/s uplinks, against 0.44-0.57 with int8 and no delay),
-# and a stronger outer step (held-out loss 1-8 % below every-step int8 at 106-112x fewer bytes per token, +3 %
-# with 0.7 / 0.9). Every-step runs keep the class's defaults.
-LOCAL_DEFAULTS: dict[str, object] = {"codec": "int2", "delay": 1, "outer_lr": 0.9, "outer_momentum": 0.95}
+# What a local-steps run (``inner_steps`` > 1 or "auto") gets where its spec's [averaging] table says nothing: the
+# settings measured best (docs/run-spec.md, "Local-steps defaults"): 2-bit updates and a strong outer step
+# (held-out loss 1-8 % below every-step int8 at 106-112x fewer bytes per token at H = 30, +3 % with 0.7 / 0.9),
+# sent with no delay: with delay 1 that outer momentum diverges (tiny-gpt, 1M tokens: 3.36 at H = 10 against 1.71
+# without delay and 2.16 every-step int8; at H = 4, 9.0 after 2M tokens). Every-step runs keep the class's.
+LOCAL_DEFAULTS: dict[str, object] = {"codec": "int2", "delay": 0, "outer_lr": 0.9, "outer_momentum": 0.95}
 
 
 def with_mode_defaults(averaging: dict[str, object]) -> dict[str, object]:
