@@ -25,7 +25,7 @@ from tests.test_local_steps import inner_steps_of
 pytestmark = [requires_netns, pytest.mark.slow, pytest.mark.timeout(500)]
 
 UPLINK = "2mbit"
-ROUNDS = 5  # global steps (outer rounds) every volunteer takes together
+ROUNDS = 3  # global steps (outer rounds) every volunteer takes together
 # the issue's model: tiny-gpt d_model 128 × 4 layers (0.86 M parameters); a round is 10 × 256 samples
 HOME_TOML = """\
 name = "home links"
