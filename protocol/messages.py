@@ -143,7 +143,7 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # parameters, the peers average their pseudo-gradients (start minus end parameters, weighted by samples)
     # and every peer applies the same outer step: Nesterov SGD with ``outer_lr`` and ``outer_momentum``
     # "auto": the tracker chooses H for each round within [inner_steps_min, inner_steps_max] from the peers'
-    # measured compute and averaging times, so that a round's averaging hides behind the next round's compute
+    # measured compute and averaging times, so that a round's averaging takes a small share of its time
     # (tracker/horizon.py); each step's H is recorded in the step history
     inner_steps: int | Literal["auto"] = 1
     inner_steps_min: int = 4
