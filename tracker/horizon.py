@@ -48,10 +48,9 @@ def next_inner_steps(
     hidden_s = averaging_s * (POLICY.auto_hide_margin if computes_ahead else share / (1 - share))
     wanted = math.ceil(hidden_s * rate / target_batch)
     wanted = min(max(wanted, math.ceil(h * POLICY.auto_shrink)), max(h, math.floor(h * POLICY.auto_growth)))
+    # (a change of a round's length by a little costs more than it buys: the ahead shares move)
     if h / POLICY.auto_dead_band <= wanted <= h * POLICY.auto_dead_band:
-        wanted = (
-            h  # (a change of a round's length by a little costs more than it buys: the ahead shares move)
-        )
+        wanted = h
     return min(hi, max(lo, wanted))
 
 

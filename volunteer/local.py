@@ -47,24 +47,16 @@ class InnerClock:
         self.fixed = None if avg.auto_inner_steps else avg.first_inner_steps
         self.first = avg.first_inner_steps
         self._before: dict[int, int] = {}
-        self._h: dict[int, int] = {}
         self._guessed: int | None = None  # the last step guessed (logged once)
 
     def heard(self, inner: InnerSteps) -> None:
         s = inner.step
-        self._h[s] = inner.h
         self._before[s] = inner.before
         self._before[s + 1] = inner.before + inner.h
         if s > 0 and inner.previous:
-            self._h[s - 1] = inner.previous
             self._before[s - 1] = inner.before - inner.previous
-        for kept in (self._before, self._h):
-            for old in [k for k in kept if k < s - KEPT_STEPS]:
-                del kept[old]
-
-    def h(self, step: int) -> int:
-        """The H of ``step``'s round as heard (a fixed run's H; the first round's until heard)."""
-        return self.fixed if self.fixed is not None else self._h.get(step, self.first)
+        for old in [k for k in self._before if k < s - KEPT_STEPS]:
+            del self._before[old]
 
     def before(self, step: int) -> int:
         """The inner steps of the outer steps before ``step``."""
