@@ -58,9 +58,12 @@ _TOLERANCE = {Codec.NONE: 1e-4, Codec.FP16: 0.02, Codec.BF16: 0.02, Codec.INT8: 
 OWN_RELATIVE = 1e-3  # a member's own norm and g against its own computation (fp32 sums in another order)
 
 
-# A later phase clips at no less than this multiple: its columns may cut the vector into other parts, so a
-# clip that binds there would clip each column's parts differently and break the one mean; its copies are
-# first-phase means, which sit near their median, so only a crafted copy is that far out (docs/security.md)
+# A later phase bounds its copies at no less than this multiple: its columns may cut the vector into other
+# parts, so a clip that binds there would clip each column's parts differently and break the one mean. Its
+# copies are first-phase means, usually near their median, but not always: in local-steps mode a group of
+# peers that took few inner steps (a small share of the round: slow, or loaded) has a pseudo-gradient several
+# times smaller than a fast group's. So a copy beyond the bound there fails the part instead of being clipped
+# (``PartReducer.plan``), and the verdicts zero it in every column (docs/security.md)
 LATER_PHASE_CLIP = 5.0
 
 

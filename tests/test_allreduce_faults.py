@@ -521,3 +521,19 @@ async def test_a_sender_that_hangs_up_before_its_answer_costs_the_owner_nothing(
     await asyncio.sleep(0.1)  # the handler of m's request writes (or fails to write) its answer
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+async def test_a_second_copy_after_the_part_closed_is_a_duplicate_when_the_first_counted():
+    """The poison test's hostile sent every part twice at once; when its first copy was the last one in, the
+    part closed before the second began and the owner answered 410 (too late): its sender took itself for
+    left out of a round its copy was in, and fetched the state (3 of 16 steps lost, 1 run in 7). A second copy
+    of a counted one is a duplicate (409) whenever it comes; a copy that never counted is still too late."""
+    from crowdtrain.volunteer.averaging.reducer import Contribution, PartReducer
+
+    red = PartReducer(0, 4, ("a", "b", "c"), 0.0, owner="a")
+    for peer in ("a", "b"):
+        assert red.begin(peer) == "ok"
+        assert red.accept(Contribution(peer, 1.0, np.ones(4, np.float32), 2.0))
+    red.close(np.empty(4, np.float32))
+    assert red.begin("b") == "duplicate" and "b" in red.duplicates  # (409: its copy is in the mean)
+    assert red.begin("c") == "closed"  # (410: the others averaged without it)

@@ -125,6 +125,67 @@ async def test_every_peer_holds_the_same_mean_bit_for_bit_in_every_phase_plan(n,
             await p.stop()
 
 
+async def test_a_later_phase_copy_far_above_its_median_fails_the_part_and_never_clips_it():
+    """The flaky local-steps case, made certain: one first-phase group's mean is 30× the other's on the tail of
+    the vector (in local-steps mode a group of fast peers hands over a pseudo-gradient of many inner steps, a
+    group of slow or loaded ones one of a few). The later phase's columns cut the vector into other parts, so a
+    clip there scaled each column's tail by another factor: the columns held 2 different means. Now such a part
+    fails (no column clips), and once every peer zeroes the slices any column lost (the tracker's verdicts,
+    ``volunteer/rounds.py``) every peer holds the same bytes; the parts away from the tail are not lost."""
+    config = AveragingConfig(codec=Codec.NONE, subframe_elements=8192, clip_multiple=1.0)
+    peers = await start_peers(5, config, prefix="far-")
+    try:
+        rng = np.random.default_rng(3)
+        size = 3 * 4096 * GROUP + 1234
+        mine = phase_assignments(peers, [1] * len(peers), 0)
+        assert all(len(a) == 2 for a in mine.values())
+        first = {p.peer_id: mine[p.peer_id][0].round_id for p in peers}
+        big = max(first.values())
+        tail = size - size // 10
+        vectors = []
+        for p in peers:
+            v = rng.standard_normal(size).astype(np.float32)
+            if first[p.peer_id] == big:
+                v[tail:] *= 50
+            vectors.append(v)
+
+        async def phases(peer: Peer, assignments: list[GroupAssignment], vector: np.ndarray):
+            values, lost = vector, []
+            for a in assignments:
+                [me] = [m for m in a.members if m.peer_id == peer.peer_id]
+                result = await peer.averager.allreduce(
+                    a, values, float(me.weight), tag=round_tag("grad", a.phase)
+                )
+                assert not result.late and not result.dropped, result
+                assert a.phase == 0 or not result.clipped, (
+                    a.phase,
+                    result.clipped,
+                )  # a later phase never clips
+                bounds = peer.averager.bounds(a, size)
+                lost += [(a.phase, bounds[part]) for part in result.failed_parts]
+                values = result.values
+            return values, lost
+
+        held = await asyncio.gather(
+            *(phases(p, mine[p.peer_id], v.copy()) for p, v in zip(peers, vectors, strict=True))
+        )
+    finally:
+        for p in peers:
+            await p.stop()
+    lost = {item for _, mine_lost in held for item in mine_lost}
+    assert lost and all(phase == 1 for phase, _ in lost), (
+        lost
+    )  # (the far copy failed parts of the later phase)
+    means = []
+    for values, _ in held:
+        values = values.copy()
+        for _, (lo, hi) in lost:
+            values[lo:hi] = 0.0
+        means.append(values.tobytes())
+    assert len(set(means)) == 1
+    assert min(lo for _, (lo, _) in lost) > 0  # the head of the vector was averaged
+
+
 # ------------------------------------------------------------------ the same rule, volunteers end to end
 
 

@@ -160,9 +160,10 @@ async def test_hostile_volunteer_is_rejected_or_clipped_and_honest_ones_agree_an
     summaries = results[:3]
     assert all(s.steps_done == STEPS for s in summaries), [s.steps_done for s in summaries]
     # the hostile one ran as a volunteer does (its bad copies refused or clipped, never a crash of ours): it
-    # took steps, and ended at max_steps or when the tracker barred its key
+    # took steps, and reached max_steps or ended when the tracker barred its key (it may have caught up on the
+    # way, as the comment below allows: left out of a step on a loaded machine, it replays the others' average)
     assert not isinstance(results[3], BaseException), repr(results[3])
-    assert results[3].steps_done > 0 and (results[3].steps_done == STEPS or results[3].ended), results[3]
+    assert results[3].steps_done > 0 and (results[3].last_step == STEPS or results[3].ended), results[3]
 
     # every poisoned step the hostile took part in is visible in the honest owners' RoundDone events
     rounds: dict[int, list[ev.RoundDone]] = {}

@@ -107,11 +107,14 @@ class PartReducer:
 
     def begin(self, peer_id: str) -> Literal["ok", "closed", "duplicate"]:
         """Mark the start of ``peer_id``'s copy: "ok", or why it is refused (the part closed, or the peer
-        already sent one: a duplicate, also after the part closed)."""
+        already sent one: a duplicate, also after the part closed). A copy after the part closed is "closed"
+        (410: the sender was too late, the others averaged without it) unless the peer's first copy counted:
+        then it is a "duplicate" (409), or a sender whose copy is in the mean would take itself for left out
+        and fetch the state."""
         duplicate = peer_id in self.started
         if duplicate:
             self.duplicates.add(peer_id)
-        if self.closed:
+        if self.closed and peer_id not in self.contributions:
             return "closed"
         if duplicate:
             return "duplicate"
@@ -213,8 +216,10 @@ class PartReducer:
         In a later phase (``shared``) the part fails unless every member with a weight sent its copy (a
         column without one node's copy would make another mean than the columns that have it), copies with
         the same digest are one term of their summed weight, in the order of their first member, and they
-        are clipped against the lower median of the distinct copies' norms: each column then adds the same
-        terms with the same factors, whichever members of each node it holds and whoever owns the part.
+        are measured against the lower median of the distinct copies' norms, and a copy beyond the bound fails
+        the part rather than being clipped (columns cut the vector into other parts, so a clip would differ
+        from column to column): each column then adds the same terms with the same factor, whichever members
+        of each node it holds and whoever owns the part, or the part fails and the verdicts zero it in all.
         """
         missing = sorted(self.shared - set(self.contributions)) if self.shared is not None else []
         if missing:
@@ -242,10 +247,24 @@ class PartReducer:
                 self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
             )
             bound = self.clip_multiple * reference
-            for c in weighted:
-                if c.norm > bound:
-                    scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
-                    clipped.append(c.peer_id)
+            beyond = [c for c in weighted if c.norm > bound]
+            if beyond and self.shared is not None:
+                # A later phase never clips: its columns cut the vector into other parts, so this part's
+                # clip would be another column's no clip (or another factor) and the columns' means would
+                # differ. The part fails instead; the tracker's verdicts then have every column zero its
+                # slices, and every member applies one mean.
+                names = ", ".join(c.peer_id for c in beyond)
+                return (
+                    [],
+                    (),
+                    (
+                        f"in a later phase a copy beyond {self.clip_multiple:g} × the median norm fails the part "
+                        f"(clipping it here would make another mean than the other columns'): {names}"
+                    ),
+                )
+            for c in beyond:
+                scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
+                clipped.append(c.peer_id)
         terms = [
             (values, np.float32(weights[c.peer_id] * scales[c.peer_id] / total), c.owned)
             for c in weighted
