@@ -63,6 +63,14 @@ def python() -> str:
     return sys.executable
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything the test modules imported (torch among them: ~200,000 objects) is moved out of the
+    collector's reach once, so the collection after each test below scans only what the tests made: 0.2 s a
+    test less, about four minutes over the suite."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _collect_garbage_after_each_test():
     """Leaked sockets and sessions surface as ResourceWarnings when collected; collect after every test so
