@@ -8,7 +8,9 @@ left, at the learning rate ``schedule(B + j)`` for its ``j``-th, where ``B`` is 
 the anchor (``anchor_step × H``; with ``inner_steps = "auto"`` the sum of the H the tracker chose for each); its pseudo-gradient is the
 anchor minus its parameters; the mean of those (weighted by samples) takes one Nesterov SGD step from the
 anchor, which gives the next anchor. With ``delay=1`` a round's mean is applied after the next round's
-pseudo-gradients were taken, and that next round starts from the anchor before it.
+pseudo-gradients were taken, and each volunteer starts a round from the anchor of the time moved by the outer
+step its own pseudo-gradient of the round before (none before its first) would make as the mean, and
+measures its next one from there.
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ def local_replay_reference(
     workers: list[tuple[_Model, torch.optim.Optimizer]] = []
     out: list[np.ndarray] = []
     pending: np.ndarray | None = None
+    own: dict[int, torch.Tensor] = {}  # delay 1: each volunteer's last pseudo-gradient
+
+    def preview(mine: torch.Tensor) -> torch.Tensor:
+        """The anchor after the outer step with ``mine`` as the mean (torch's Nesterov SGD, written out)."""
+        mu, step = avg.outer_momentum, mine
+        if mu > 0:
+            bufs = [outer.state.get(p, {}).get("momentum_buffer") for p in reference.params]
+            held = None if bufs[0] is None else torch.cat([b.reshape(-1) for b in bufs])
+            step = mine.add(mine.clone() if held is None else held.mul(mu).add_(mine), alpha=mu)
+        return anchor.add(step, alpha=-avg.outer_lr)
 
     def outer_step(mean: np.ndarray, step: int) -> None:
         nonlocal anchor, anchor_step
@@ -103,10 +115,13 @@ def local_replay_reference(
             mine = _Model(copy.deepcopy(reference.model))
             workers.append((mine, make_optimizer(mine.named, spec.optimizer)))
         deltas, weights = [], []
-        for (mine, inner), batches in zip(workers, per_volunteer, strict=False):
-            mine.load(anchor)
+        for v, ((mine, inner), batches) in enumerate(zip(workers, per_volunteer, strict=False)):
+            start = preview(own.get(v, torch.zeros_like(anchor))) if delay else anchor
+            mine.load(start)
             weights.append(float(_inner_steps(mine, inner, batches, spec, inner_batch, before(anchor_step))))
-            deltas.append((anchor - mine.flat()).numpy())
+            delta = start - mine.flat()
+            own[v] = delta
+            deltas.append(delta.numpy())
         mean = combine(deltas, weights)
         if delay:
             if pending is not None:

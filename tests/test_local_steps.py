@@ -14,7 +14,7 @@ from crowdtrain.commands.status import format_status
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.client import TrackerClient
 from crowdtrain.protocol.errors import ConfigError
-from crowdtrain.protocol.messages import AveragingSpec
+from crowdtrain.protocol.messages import AveragingSpec, RunSpec
 from crowdtrain.protocol.runcheck import check_averaging
 from crowdtrain.volunteer import events as ev
 from crowdtrain.volunteer.config import VolunteerConfig
@@ -242,3 +242,61 @@ def test_a_run_file_that_sets_only_inner_steps_gets_the_home_link_defaults_and_a
     ]:
         with pytest.raises(ConfigError, match=words):
             check_averaging(AveragingSpec(inner_steps="auto", **bad))
+
+
+def test_with_delay_1_a_peer_starts_each_round_where_its_own_update_would_take_the_run_and_is_judged_on_the_runs_state():
+    """Delay 1: the next round cannot start from the outer step of the round in flight, so it starts where
+    that step would land with this peer's own pseudo-gradient as the mean (the run's momentum, then its own),
+    and measures its next one from there; the anchor, what a snapshot holds and what the held-out loss is
+    of, is the run's alone. Started from the stale anchor instead, two rounds in a row pushed from one point
+    and the outer momentum 0.95 diverged (docs/benchmarks.md)."""
+    import torch
+
+    from crowdtrain.volunteer.local import LocalTrainer
+    from crowdtrain.volunteer.models.registry import get_recipe
+    from tests.sim import make_run_create
+
+    averaging = AveragingSpec(
+        inner_steps=2, inner_batch_size=8, delay=1, codec="none", outer_lr=0.7, outer_momentum=0.9
+    )
+    create = make_run_create(averaging=averaging)
+    fields = {f: getattr(create, f) for f in ("name", "model", "dataset", "target_batch_size", "averaging")}
+    spec = RunSpec(run_id="r", tracker_public_key="00" * 32, micro_batch_size=8, **fields)
+    recipe = get_recipe(spec.model.recipe)
+    torch.manual_seed(0)
+    trainer = LocalTrainer(recipe, recipe.build(dict(spec.model.args)), spec)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    live = lambda: torch.cat([p.detach().reshape(-1) for p in trainer.params]).numpy()  # noqa: E731
+    anchor0 = trainer.flat_params()
+
+    def round_(k: int) -> np.ndarray:
+        for _ in range(2):
+            trainer.accumulate(x + k, y)
+        return trainer.take_grad(np.empty(trainer.numel, np.float32)).copy()
+
+    start0 = live()
+    d0 = round_(0)
+    np.testing.assert_array_equal(start0, anchor0)  # (no round in flight: the first starts at the anchor)
+    # no average yet: the next round starts from the anchor moved by its own Δ at the outer lr (no momentum yet)
+    np.testing.assert_allclose(live(), anchor0 - 0.7 * (d0 + 0.9 * d0), rtol=0, atol=1e-6)
+    start1 = live()
+    d1 = round_(1)
+    np.testing.assert_array_equal(trainer.flat_params(), anchor0)  # the run's state did not move
+    assert not np.array_equal(start1, anchor0)
+    mean = (d0 + 3 * d0) / 4  # (the others' Δ of round 0: here the same)
+    trainer.apply(mean, 0)
+    anchor1 = trainer.flat_params()
+    buf = mean  # (torch's first momentum buffer is the gradient itself)
+    np.testing.assert_allclose(anchor1, anchor0 - 0.7 * (mean + 0.9 * buf), rtol=0, atol=1e-6)
+    # the live parameters: the new anchor, moved by the round in flight (d1) with the momentum the run holds
+    np.testing.assert_allclose(live(), anchor1 - 0.7 * (d1 + 0.9 * (0.9 * buf + d1)), rtol=0, atol=1e-6)
+    # the held-out loss is the anchor's, and evaluating leaves the live parameters as they were
+    before = live()
+    got, _ = trainer.evaluate_with_metrics(x, y, 8)
+    np.testing.assert_array_equal(live(), before)
+    reference = LocalTrainer(recipe, recipe.build(dict(spec.model.args)), spec)
+    reference.set_flat_params(anchor1)
+    assert got == reference.evaluate_with_metrics(x, y, 8)[0]
+    # a fetched state drops the round in flight: the next starts from its anchor (moved by the momentum only)
+    trainer.load_state(trainer.live_state(), trainer.optimizer.state_dict(), step=1)
+    np.testing.assert_allclose(live(), anchor1 - 0.7 * 0.9 * 0.9 * buf, rtol=0, atol=1e-6)

@@ -17,13 +17,24 @@ its heartbeats' and ready calls' replies).
 steps, whose ``take_grad`` hands out ``Δ`` and whose ``apply`` takes the outer step; everything the engine
 does with a trainer — rounds, delay 1, catch-up and its replay, snapshots, the kept state — works on it
 unchanged. Its snapshots hold the anchor and the outer optimizer's state (the live parameters move between
-global steps; the inner state is each peer's own). With ``delay = 1`` a round's ``Δ`` is applied when the
-next round closes, and the next round's inner steps start from the anchor before it (one round stale).
+global steps; the inner state is each peer's own).
+
+With ``delay = 1`` a round's ``Δ`` is applied when the next round closes, so the next round cannot start from
+its outer step. It starts from the anchor *minus this peer's own* ``Δ`` (its progress, in flight in the
+average), and its pseudo-gradient is measured from there: ``Δ = (anchor − own) − parameters``; when the
+average arrives, the outer step moves the anchor and the live parameters become ``anchor − own`` again, the
+peer's newest ``Δ`` carried on top of the run's state. Every round's gradients are thus computed about where
+they are applied (one outer step ahead, by this peer's share of it), not one whole round behind: started
+from the stale anchor instead, two rounds in a row push from the same point and the outer step applies both,
+which with the outer momentum 0.95 diverged (docs/benchmarks.md). The run's state (the anchor, the outer
+optimizer) stays the same bytes on every peer; only the live parameters are each peer's own, as the inner
+optimizer's state is.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -95,6 +106,7 @@ class LocalTrainer(Trainer):
         self.clock = InnerClock(avg)
         self.inner_batch = avg.inner_batch_size or spec.micro_batch_size
         self.outer_lr = avg.outer_lr
+        self.outer_momentum = avg.outer_momentum
         self.inner = self.optimizer  # the run's optimizer: this peer's own state, never averaged
         # ``optimizer`` is what a snapshot holds and a fetched state loads: the outer one, the same on every peer
         self.optimizer = torch.optim.SGD(
@@ -105,6 +117,11 @@ class LocalTrainer(Trainer):
         self._anchor_views = self._param_views(self._anchor)
         self.anchor_step = step
         self._round_samples = 0
+        # delay 1: this peer's last Δ, in flight in the average; its rounds start from anchor − own
+        self._own = (
+            torch.zeros(self.param_numel, dtype=torch.float32, device=self.device) if avg.delay else None
+        )
+        self._own_views = self._param_views(self._own) if self._own is not None else []
         self._set_anchor(step)
 
     def heard_inner(self, inner: InnerSteps) -> None:
@@ -143,16 +160,23 @@ class LocalTrainer(Trainer):
         self._clear()
 
     def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
-        """Take the inner step of what is left, hand out the pseudo-gradient ``anchor − parameters`` (then the
-        buffers' values) and go back to the anchor: the round's progress travels in the average only."""
+        """Take the inner step of what is left, hand out the pseudo-gradient ``start − parameters`` (then the
+        buffers' values) and go back to the round's start for the next: the anchor, the round's progress
+        travelling in the average only; with delay 1, ``anchor − own`` with this round's ``Δ`` as ``own``."""
         self._inner_step()
         with torch.no_grad():
             self._bind_grads()
-            for view, anchor, p in zip(self._views, self._anchor_views, self.params, strict=True):
-                torch.sub(anchor, p, out=view)
+            if self._own is None:
+                for view, anchor, p in zip(self._views, self._anchor_views, self.params, strict=True):
+                    torch.sub(anchor, p, out=view)
+            else:
+                self._start_into(self._views)  # (the round's start, as _restore made it)
+                for view, p in zip(self._views, self.params, strict=True):
+                    view.sub_(p)
+                self._own.copy_(self._grad[: self.param_numel])
         self._samples = 1  # (the pseudo-gradient is whole: the base divides by one)
         out = super().take_grad(into)
-        self._restore()
+        self._restore(keep_own=True)
         return out
 
     def apply(self, mean_grad: np.ndarray, step: int) -> float:
@@ -167,6 +191,7 @@ class LocalTrainer(Trainer):
         self.optimizer.step()
         self._clear()
         self._set_anchor(step + 1)
+        self._restore(keep_own=True)  # (delay 1: this peer's round in flight carried on the new anchor)
         return self.outer_lr
 
     # ------------------------------------------------------------------ the anchor
@@ -182,10 +207,30 @@ class LocalTrainer(Trainer):
         self._round_samples = 0
 
     @torch.no_grad()
-    def _restore(self) -> None:
-        """Back to the anchor: the parameters, the buffers, no round under way."""
-        for p, anchor in zip(self.params, self._anchor_views, strict=True):
-            p.copy_(anchor)
+    def _start_into(self, out: Sequence[torch.Tensor]) -> None:
+        """Delay 1: a round's start, into ``out`` (views shaped as the parameters): the anchor moved by the
+        outer step the run would take if this peer's ``own`` were the mean (the run's momentum, then own)."""
+        mu = self.outer_momentum
+        for o, anchor, own, p in zip(out, self._anchor_views, self._own_views, self.params, strict=True):
+            step = own
+            if mu > 0:  # (torch's Nesterov SGD: buf ← mu·buf + g, the step g + mu·buf; buf starts as g)
+                buf = self.optimizer.state.get(p, {}).get("momentum_buffer")
+                buf = own.clone() if buf is None else buf.mul(mu).add_(own)
+                step = own.add(buf, alpha=mu)
+            torch.add(anchor, step, alpha=-self.outer_lr, out=o)
+
+    @torch.no_grad()
+    def _restore(self, keep_own: bool = False) -> None:
+        """Back to a round's start, no round under way: the anchor's parameters and buffers; with delay 1 the
+        anchor moved as :meth:`_start_into` says, by ``own`` when ``keep_own`` (else ``own`` is dropped: a
+        fetched or reset state)."""
+        if self._own is None:
+            for p, anchor in zip(self.params, self._anchor_views, strict=True):
+                p.copy_(anchor)
+        else:
+            if not keep_own:
+                self._own.zero_()
+            self._start_into(self.params)
         self._write_buffers(self._anchor)
         self.inner_taken = 0
         self._round_samples = 0
@@ -202,6 +247,21 @@ class LocalTrainer(Trainer):
     def set_flat_params(self, values: np.ndarray) -> None:
         super().set_flat_params(values)
         self._set_anchor(self.anchor_step)
+        self._restore()
+
+    @torch.no_grad()
+    def evaluate_with_metrics(self, x: Any, y: Any, micro: int) -> tuple[float, dict[str, float]]:
+        """The held-out loss of the run's state (the anchor), not of this peer's live parameters."""
+        if self._own is None:
+            return super().evaluate_with_metrics(x, y, micro)
+        live = [p.detach().clone() for p in self.params]
+        for p, anchor in zip(self.params, self._anchor_views, strict=True):
+            p.copy_(anchor)
+        try:
+            return super().evaluate_with_metrics(x, y, micro)
+        finally:
+            for p, kept in zip(self.params, live, strict=True):
+                p.copy_(kept)
 
     def flat_params(self) -> np.ndarray:
         """The run's parameters (the anchor), then the buffers' values; not the round's local ones."""
@@ -232,3 +292,4 @@ class LocalTrainer(Trainer):
         super().load_state(model_state, optimizer_state, owned=owned, step=step)
         super().reset_accumulation()
         self._set_anchor(step)
+        self._restore()  # (delay 1: no round of this peer's is in flight in the state it loaded)
