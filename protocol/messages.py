@@ -211,11 +211,12 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
 
 
 # What a local-steps run (``inner_steps`` > 1 or "auto") gets where its spec's [averaging] table says nothing: the
-# settings measured best (docs/run-spec.md, "Local-steps defaults"): 2-bit updates and a strong outer step
-# (held-out loss 1-8 % below every-step int8 at 106-112x fewer bytes per token at H = 30, +3 % with 0.7 / 0.9),
-# sent with no delay: with delay 1 that outer momentum diverges (tiny-gpt, 1M tokens: 3.36 at H = 10 against 1.71
-# without delay and 2.16 every-step int8; at H = 4, 9.0 after 2M tokens). Every-step runs keep the class's.
-LOCAL_DEFAULTS: dict[str, object] = {"codec": "int2", "delay": 0, "outer_lr": 0.9, "outer_momentum": 0.95}
+# settings measured best for home links (docs/run-spec.md, "Local-steps defaults"): 2-bit updates sent while
+# the next round computes (delay 1: a round's averaging hides behind the next one's compute, the compute share
+# 0.9 a 2 Mbit/s uplink cannot give without it), with the class's outer step, DiLoCo's 0.7 / 0.9 (tiny-gpt,
+# H = 30, 2M tokens: held-out 1.768 against 1.780 every-step int8 at 105x fewer bytes per token; with delay 1
+# the outer 0.9 / 0.95 that is best without delay gave 1.944). Every-step runs keep every class default.
+LOCAL_DEFAULTS: dict[str, object] = {"codec": "int2", "delay": 1}
 
 
 def with_mode_defaults(averaging: dict[str, object]) -> dict[str, object]:

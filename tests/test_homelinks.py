@@ -1,6 +1,6 @@
 """Home links: four volunteers on four hosts whose uplinks are shaped to 2 Mbit/s (``tbf``; this kernel has no
 ``netem``, so rate but no added delay), in local-steps mode as a new publisher sets it: ``inner_steps = "auto"``
-alone (the tracker chooses each round's H; the rest the local-steps defaults: int2, no delay), started with the
+alone (the tracker chooses each round's H; the rest the local-steps defaults: int2, delay 1), started with the
 README's commands. Every volunteer takes every global step, the loss falls, every round's H is recorded within
 its bounds, and the all-reduce's bytes really crossed the shaped links (the ``tbf`` qdiscs' own counters), not
 loopback.

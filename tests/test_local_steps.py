@@ -219,11 +219,12 @@ def test_local_steps_options_out_of_range_are_refused_with_their_name(field, val
 
 def test_a_run_file_that_sets_only_inner_steps_gets_the_home_link_defaults_and_auto_its_bounds():
     """``run create``'s reading of [averaging] (protocol.messages.with_mode_defaults): a number > 1 or "auto"
-    alone brings int2, no delay and the outer 0.9 / 0.95; what the file sets stays; every-step runs keep theirs."""
+    alone brings int2 and delay 1 (the outer step is the class's 0.7 / 0.9); what the file sets stays; every-step
+    runs keep theirs."""
     from crowdtrain.protocol.messages import LOCAL_DEFAULTS, with_mode_defaults
 
     ten = AveragingSpec(**with_mode_defaults({"inner_steps": 10}))
-    assert (ten.codec, ten.delay, ten.outer_lr, ten.outer_momentum) == ("int2", 0, 0.9, 0.95)
+    assert (ten.codec, ten.delay, ten.outer_lr, ten.outer_momentum) == ("int2", 1, 0.7, 0.9)
     assert ten.step_timeout_s == 10 * AveragingSpec().step_timeout_s
     auto = AveragingSpec(**with_mode_defaults({"inner_steps": "auto", "inner_steps_max": 40}))
     assert auto.local and auto.auto_inner_steps and auto.first_inner_steps == 16 and auto.inner_steps_min == 4
