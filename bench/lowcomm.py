@@ -30,7 +30,7 @@ its constant outer_lr.
     .venv/bin/python bench/lowcomm.py --configs 1:int8,30:defaults,auto:defaults  # inner_steps alone, or "auto"
 
 ``H:defaults`` and ``auto:defaults``: the run's [averaging] sets ``inner_steps`` (and the group size) alone and
-gets what ``run create`` fills in (the local-steps defaults: int2, delay 0, outer 0.9 / 0.95, the inner batch the
+gets what ``run create`` fills in (the local-steps defaults: int2, delay 1, outer 0.7 / 0.9, the inner batch the
 micro-batch's). An "auto" row's budget is counted at its smallest H (``inner_steps_min``): where the tracker
 chose a larger one, it trained on more tokens (its tokens column says how many; give the other rows that many
 with ``--tokens`` in a second run to compare at equal tokens) and its notes list each round's H.

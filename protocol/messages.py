@@ -145,8 +145,9 @@ class AveragingSpec(Message, frozen=True, kw_only=True):
     # "auto": the tracker chooses H for each round within [inner_steps_min, inner_steps_max] from the peers'
     # measured compute and averaging times, so that a round's averaging takes a small share of its time
     # (tracker/horizon.py); each step's H is recorded in the step history
+    # (the least 16: with delay 1 smaller rounds trained worse per token, docs/run-spec.md)
     inner_steps: int | Literal["auto"] = 1
-    inner_steps_min: int = 4
+    inner_steps_min: int = 16
     inner_steps_max: int = 100
     inner_batch_size: int = 0
     outer_lr: float = 0.7

@@ -119,10 +119,10 @@ def test_four_home_volunteers_on_2_mbit_uplinks_take_every_local_step_and_learn(
         for s in (first, end - 1)
     }
     assert losses[end - 1] < losses[first], losses
-    # the tracker chose each round's H, within the default bounds (4 to 100), from 16 before it measured
+    # the tracker chose each round's H, within the default bounds (16 to 100), from 16 before it measured
     assert "H chosen by the tracker each round" in status, status
     chosen = inner_steps_of(status)
-    assert len(chosen) >= ROUNDS and chosen[0] == 16 and all(4 <= h <= 100 for h in chosen), status
+    assert len(chosen) >= ROUNDS and chosen[0] == 16 and all(16 <= h <= 100 for h in chosen), status
     # the rounds' bytes crossed the shaped uplinks: each volunteer's qdisc sent at least what it says it sent
     for n, v in vols.items():
         said = sum(e["bytes_sent"] for e in v.of("RoundDone"))

@@ -227,7 +227,9 @@ def test_a_run_file_that_sets_only_inner_steps_gets_the_home_link_defaults_and_a
     assert (ten.codec, ten.delay, ten.outer_lr, ten.outer_momentum) == ("int2", 1, 0.7, 0.9)
     assert ten.step_timeout_s == 10 * AveragingSpec().step_timeout_s
     auto = AveragingSpec(**with_mode_defaults({"inner_steps": "auto", "inner_steps_max": 40}))
-    assert auto.local and auto.auto_inner_steps and auto.first_inner_steps == 16 and auto.inner_steps_min == 4
+    assert (
+        auto.local and auto.auto_inner_steps and auto.first_inner_steps == 16 and auto.inner_steps_min == 16
+    )
     assert (
         auto.codec == LOCAL_DEFAULTS["codec"] and auto.step_timeout_s == 40 * AveragingSpec().step_timeout_s
     )
