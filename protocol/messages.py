@@ -807,7 +807,7 @@ class CreditRecord(Message, frozen=True, kw_only=True):
     last_step: Count  # the newest of them
     verified: Count = 0  # spot-checks its contributions passed
     rejected: Count = 0  # spot-checks they failed, and receipts accused (each from a distinct address)
-    barred: Annotated[str, Meta(max_length=400)] = ""  # why the key is barred on proof (its own receipt)
+    barred: Annotated[str, Meta(max_length=400)] = ""  # why the key is barred (proof, or failed spot-checks)
 
 
 class RunStatus(Message, frozen=True, kw_only=True):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 
 import msgspec
@@ -65,7 +66,10 @@ def config(run, tmp_path, name: str, seed: int, max_steps: int | None = STEPS) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_ones_are_verified(tmp_path):
+async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_ones_are_verified(
+    tmp_path, caplog
+):
+    caplog.set_level(logging.WARNING, logger="crowdtrain.tracker.spotchecks")
     async with published_run(
         tmp_path, averaging={"codec": "int8", "group_size": GROUP, "spot_checks": 1.0}, target_batch_size=64
     ) as run:
@@ -89,6 +93,9 @@ async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_o
         # the hostile was barred: it left on the tracker's sentence, long before the honest ones' last step
         barred = results[-1]
         assert "spot-checks" in (barred.ended or ""), barred.ended
+        # its last event says it left on that sentence (not "run closed")
+        last = logs["hostile"][-1]
+        assert isinstance(last, ev.Left) and last.reason == barred.ended, last
         assert barred.steps_done < STEPS - 2, barred.steps_done
         # and its key cannot come back: a new join with its data folder's key is refused with the sentence
         again = OtherData(config(run, tmp_path, "hostile", 7), emit=lambda e: None)
@@ -99,6 +106,10 @@ async def test_a_volunteer_computing_on_other_data_is_caught_barred_and_honest_o
     keys = {name: v._me.key.public_hex for name, v in zip(logs, [*honest, hostile], strict=True)}
     bad = credits[keys["hostile"]]
     assert bad.rejected >= REJECTIONS_TO_BAR, bad
+    assert "spot-checks" in bad.barred, bad  # `status` and the page show the bar, with why
+    # the tracker wrote a line with the evidence: the key, its rejections, its passed checks, its accusers
+    lines = [r.getMessage() for r in caplog.records if "barred" in r.getMessage()]
+    assert any(keys["hostile"] in m and " rejections " in m and "accused from" in m for m in lines), lines
     assert bad.verified == 0, bad  # its gradients never matched the samples it named
     for name in ("honest-0", "honest-1", "honest-2"):
         mine = credits[keys[name]]

@@ -91,7 +91,7 @@ groups of <span id=group-size></span> · updated <span id=updated>never</span></
 <tbody></tbody></table>
 <h2>Credit ledger (what each volunteer key put into the averages)</h2>
 <table id=credits><thead><tr><th>volunteer key</th><th>samples averaged</th><th>steps</th><th>last step</th>
-<th class=checks>spot-checks passed</th><th class=checks>failed or accused</th><th>barred on proof</th></tr></thead>
+<th class=checks>spot-checks passed</th><th class=checks>failed or accused</th><th>barred</th></tr></thead>
 <tbody></tbody></table>
 <h2>Recent steps</h2>
 <table id=steps><thead><tr><th>step</th><th>duration</th><th>samples</th><th>peers</th><th>groups</th>

@@ -97,7 +97,7 @@ class Run:
             inner_steps=state.horizon.h,
             inner_auto=state.spec.averaging.auto_inner_steps,
             codec=state.spec.averaging.codec,
-            credits=_with_bars(state.store.credits(state.run_id), state.store.bars(state.run_id)),
+            credits=_with_bars(state.store.credits(state.run_id), state.checks.bars()),
             total_steps=total,
             run_eta_s=run_eta(state.global_step, total, recent),
             spot_checked=state.spec.averaging.spot_checked,
@@ -180,7 +180,7 @@ class Runs:
 
 
 def _with_bars(credits: list[CreditRecord], bars: dict[str, str]) -> list[CreditRecord]:
-    """The credit ledger, each key barred on proof marked with why (and listed, also without credit)."""
+    """The credit ledger, each barred key marked with why (and listed, also without credit)."""
     out = [replace(c, barred=bars[c.public_key]) if c.public_key in bars else c for c in credits]
     listed = {c.public_key for c in credits}
     out += [

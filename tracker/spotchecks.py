@@ -30,6 +30,7 @@ The rules (docs/security.md, "Spot-checks"):
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -44,6 +45,8 @@ from crowdtrain.tracker.store import RunStore
 
 if TYPE_CHECKING:
     from crowdtrain.tracker.peers import Peer
+
+log = logging.getLogger(__name__)
 
 REJECTIONS_TO_BAR = 2  # rejections, from as many accusers, that bar a key from the run...
 REJECTED_SHARE_TO_BAR = 0.1  # ...when they are at least this share of its checks
@@ -187,6 +190,15 @@ class SpotChecks:
         checked = record.verified + record.rejected
         if record.rejected >= REJECTIONS_TO_BAR and record.rejected >= REJECTED_SHARE_TO_BAR * checked:
             self.barred_keys().add(key)
+            log.warning(
+                "run %s: key %s barred: %d rejections (failed spot-checks or receipts) against %d passed "
+                "checks; accused from %s",
+                run_id,
+                key,
+                record.rejected,
+                record.verified,
+                ", ".join(sorted(accusers)),
+            )
             return key
         return None
 
@@ -210,6 +222,13 @@ class SpotChecks:
         self._proven[key] = reason
         self.barred_keys().add(key)
         return True
+
+    def bars(self) -> dict[str, str]:
+        """Every key barred from the run, with why (what `status` and the page show)."""
+        return {
+            key: self._proven.get(key, f"its gradients failed {REJECTIONS_TO_BAR} or more spot-checks")
+            for key in sorted(self.barred_keys())
+        }
 
     def refusal(self, key: str) -> str | None:
         """The sentence a barred key's requests get (None: it is not barred)."""

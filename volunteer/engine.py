@@ -85,7 +85,8 @@ class Volunteer:
             if self.summary.peer_id:  # it joined: it left
                 share = self._training.meter.compute_share() if self._training is not None else None
                 self.summary.left(self.step, share)
-                self._me.emit(ev.Left(reason="run closed" if self.summary.ended else reason))
+                # (closed, deleted or this key barred: the tracker's sentence says which, and why)
+                self._me.emit(ev.Left(reason=self.summary.ended or reason))
         return self.summary
 
 
