@@ -264,6 +264,18 @@ def _int8_encode_sent(x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return bytes(out), q.reshape(-1)[:n]
 
 
+def _within_half_step(residual: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``residual`` clipped to half an int8 step of ``x``'s block, value by value (a new array)."""
+    n = x.size
+    blocks = -(-n // INT8_BLOCK)
+    padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
+    padded[:n] = x
+    view = padded.reshape(blocks, INT8_BLOCK)
+    half = np.abs(np.maximum(view.max(axis=1), -view.min(axis=1))) / np.float32(254.0)
+    bound = np.repeat(half, INT8_BLOCK)[:n]
+    return np.clip(residual, -bound, bound)
+
+
 def _int8_decode(raw: BytesLike, n: int) -> np.ndarray:
     blocks = -(-n // INT8_BLOCK)
     scales = np.frombuffer(raw, dtype=np.float32, count=blocks)
@@ -553,29 +565,40 @@ class Residual:
 
 class ErrorFeedback:
     """Error feedback for a lossy codec: what quantisation drops now (and with ``sparse``, every value not
-    among its chunk's largest) is added to the next encode."""
+    among its chunk's largest) is added to the next encode.
+
+    With int8, an encode adds at most half a step of each value's block (INT8_BLOCK values from the
+    frame's start; a step is the block's absmax ÷ 127) and keeps the rest for later ones: nothing is lost,
+    and every copy stays within one step of the values it encodes. A residual is up to half a step of the
+    block it was made in, which may be far larger than the values now in its place (a gradient that shrank
+    from a spike, or early in training; values last sent rounds ago, while this peer owned their part):
+    added whole, it outweighed them (copies ~1 to 10x their gradient's norm away from it), and a spot-check
+    of an honest copy misfired (issue 51)."""
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
         self.residual: np.ndarray | None = None
 
     def transform(self, x: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """Return the transformed payload of ``x + residual`` and the values the receiver will decode."""
+        """Return the transformed payload of ``x + residual`` (int8: of ``x`` + at most half a step of the
+        residual, see the class) and the values the receiver will decode."""
         x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         if self.codec is Codec.NONE:
             return transform(x, self.codec), x
         with np.errstate(invalid="ignore", over="ignore"):
             if self.residual is None or self.residual.shape != x.shape:
-                target = x
+                target = owed = x
                 residual = np.empty_like(x)
             else:
-                target = residual = x + self.residual  # a new array: the residual is computed in place
+                # what is owed: the residual is computed in it, in place (a new array)
+                owed = residual = x + self.residual
+                target = owed if self.codec is not Codec.INT8 else x + _within_half_step(self.residual, x)
             if self.codec is Codec.INT8:
                 raw, sent = _int8_encode_sent(target)
             else:  # fp16, bf16, sparse: decoding is the one sure way to learn what the receiver gets
                 raw = transform(target, self.codec)
                 sent = untransform(raw, self.codec, target.size)
-            np.subtract(target, sent, out=residual)
+            np.subtract(owed, sent, out=residual)
             # a NaN or inf input is dropped, not carried forward; a finite sum (one pass, no temporary)
             # means every value is finite
             if not np.isfinite(residual.sum()):

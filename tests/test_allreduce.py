@@ -25,6 +25,7 @@ from crowdtrain.protocol.errors import AveragingError
 from crowdtrain.protocol.messages import GroupAssignment, GroupMember
 from crowdtrain.volunteer.averaging import Averager, AveragingConfig, part_bounds
 from crowdtrain.volunteer.events import Event, RoundDone
+from crowdtrain.volunteer.spotcheck import squares
 
 TRACKER = SigningKey()
 RUN = "run-allreduce"
@@ -491,6 +492,39 @@ async def test_sparse_error_feedback_loses_nothing_when_parts_change_owners():
             # (float32 sums over rounds; each residual is kept as bfloat16, within 2^-8 of itself each round)
             tolerance = 1e-4 * r + 2**-8 * r * (np.abs(ups).mean(axis=0) + np.abs(downs).sum(axis=0))
             assert np.all(np.abs(received + held - r * mean) <= tolerance), f"round {r}"
+    finally:
+        for p in peers:
+            await p.stop()
+
+
+async def test_a_kept_copy_is_its_values_when_they_are_far_smaller_than_its_senders_last_ones():
+    """Issue 51, point 3: two members swap parts, as two volunteers' parts of a step often do. p1 sends part 0
+    with large values, owns it a round (its residual of those values waits), then sends it with values
+    1000x smaller (a gradient after a spike, or early in training, shrinks that fast). Its residual, half a
+    step of the large values' blocks, was added whole: the copy its owner kept for a spot-check was that old
+    rounding error, ~8x the values' norm away from them (two volunteers: honest checks 0.99 and 9.7 apart;
+    two mismatches bar a key). An encode adds at most half a step of the values' own blocks."""
+    config = AveragingConfig(clip_multiple=0.0, codec=Codec.INT8)
+    peers = await start_peers(2, config)
+    try:
+        rng = np.random.default_rng(51)
+        size, weights = 20000, [1, 1]
+        early = [10 * rng.standard_normal(size).astype(np.float32) for _ in peers]
+        late = [0.01 * rng.standard_normal(size).astype(np.float32) for _ in peers]
+        await run_round(peers, assign(peers, weights, [0, 1]), early, weights)  # p1 sends part 0: big values
+        await run_round(peers, assign(peers, weights, [1, 0]), early, weights)  # p1 owns part 0
+        checked = assign(peers, weights, [0, 1])  # p1 sends part 0 again: small values
+        peers[0].averager.wanted[checked.round_id] = (peers[1].peer_id, asyncio.Event())
+        await run_round(peers, checked, late, weights)
+        a, b, copy = peers[0].averager.kept.pop(checked.round_id)
+        sent = np.concatenate(
+            [copy.values(x, min(x + copy.step, copy.length)) for x in range(0, b - a, copy.step)]
+        )
+        truth = late[1][a:b]
+        # what the checker measures (volunteer/spotcheck.py): beyond a step of each value's block, ÷ ‖truth‖;
+        # honest copies were within 0.34, its tolerance is 0.5, and a copy of other data is ~1 to 1.3 away
+        sums = squares(sent, truth, "int8")
+        assert np.sqrt(sums[2] / sums[0]) <= 0.05, np.sqrt(sums[2] / sums[0])
     finally:
         for p in peers:
             await p.stop()

@@ -373,6 +373,32 @@ def test_int8_payload_and_decoded_values_are_bit_for_bit_the_plain_computation(n
         assert np.array_equal(np.signbit(decoded), np.signbit(sent))
 
 
+def test_int8_error_feedback_keeps_a_copy_within_a_step_of_values_far_smaller_than_the_last():
+    """Issue 51, point 3: a gradient 1000x smaller than the one before it in the same place (after a spike,
+    early in training, or values last sent rounds ago). The residual of the large one is half a step of its
+    blocks, 10x the new values: added whole, the copy was that old rounding error, not the gradient (an
+    honest spot-check read 0.99 apart). An encode adds at most half a step of each value's block and keeps
+    the rest: the copy stays within one step of its values, and nothing owed is lost."""
+    rng = np.random.default_rng(51)
+    n = 3 * INT8_BLOCK + 100
+    big = (rng.standard_normal(n) * 10).astype(np.float32)
+    small = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    ef = ErrorFeedback(Codec.INT8)
+    sent_sum = np.zeros(n, np.float64)
+    for x in (big, small, small, small):
+        raw, sent = ef.transform(x)
+        assert untransform(raw, Codec.INT8, n).tobytes() == sent.tobytes()
+        sent_sum += sent
+        blocks = [slice(a, min(a + INT8_BLOCK, n)) for a in range(0, n, INT8_BLOCK)]
+        for b in blocks:
+            step = np.abs(sent[b]).max() / 127
+            # (half a step now, half a step of the values carried: their step may be a 254th above the copy's)
+            assert np.abs(sent[b] - x[b]).max() <= 1.01 * step
+    # what is still owed is kept: sent + residual = every input
+    owed = big.astype(np.float64) + 3 * small
+    assert np.allclose(sent_sum + ef.residual, owed, rtol=0, atol=1e-5)
+
+
 def test_error_feedback_drops_non_finite_residuals_and_starts_afresh_on_another_length():
     ef = ErrorFeedback(Codec.INT8)
     x = np.array([1.0, np.nan, 0.3], np.float32)
