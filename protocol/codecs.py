@@ -573,7 +573,7 @@ class ErrorFeedback:
     block it was made in, which may be far larger than the values now in its place (a gradient that shrank
     from a spike, or early in training; values last sent rounds ago, while this peer owned their part):
     added whole, it outweighed them (copies ~1 to 10x their gradient's norm away from it), and a spot-check
-    of an honest copy misfired (issue 51)."""
+    of an honest copy misfired (docs/security.md)."""
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec

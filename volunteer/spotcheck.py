@@ -249,7 +249,7 @@ def squares(sent: np.ndarray, mine: np.ndarray, codec: str) -> np.ndarray:
     quantised per block of INT8_BLOCK values (from the frame's start) to steps of the block's absmax ÷ 127 (a
     block with one large value quantises its small ones to nothing), and carries the sender's error feedback:
     half a step now, and at most half a step of the value's own block of what earlier rounds owed (the rest
-    waits: a residual of larger values, after a spike or rounds ago, outweighed the gradient, issue 51;
+    waits: a residual of larger values, after a spike or rounds ago, outweighed the gradient;
     see ``ErrorFeedback``). Only what lies beyond one step of the value's block counts; honest copies were
     still up to 0.31 beyond it (0.34 raw), see the module."""
     diff = np.abs(sent - mine)

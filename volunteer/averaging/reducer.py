@@ -240,31 +240,9 @@ class PartReducer:
         groups = {c.peer_id: [(c.peer_id, c.weight)] for c in weighted}
         if self.shared is not None and digests is not None:
             weighted = _merge_identical(weighted, digests, weights, groups)
-        scales = {c.peer_id: 1.0 for c in weighted}
-        clipped: list[str] = []
-        if self.clip_multiple > 0 and len(weighted) > 1:
-            reference = (
-                self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
-            )
-            bound = self.clip_multiple * reference
-            beyond = [c for c in weighted if c.norm > bound]
-            if beyond and self.shared is not None:
-                # A later phase never clips: its columns cut the vector into other parts, so this part's
-                # clip would be another column's no clip (or another factor) and the columns' means would
-                # differ. The part fails instead; the tracker's verdicts then have every column zero its
-                # slices, and every member applies one mean.
-                names = ", ".join(c.peer_id for c in beyond)
-                return (
-                    [],
-                    (),
-                    (
-                        f"in a later phase a copy beyond {self.clip_multiple:g} × the median norm fails the part "
-                        f"(clipping it here would make another mean than the other columns'): {names}"
-                    ),
-                )
-            for c in beyond:
-                scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
-                clipped.append(c.peer_id)
+        scales, clipped, why = self._clip_scales(weighted)
+        if why:
+            return [], (), why
         terms = [
             (values, np.float32(weights[c.peer_id] * scales[c.peer_id] / total), c.owned)
             for c in weighted
@@ -274,6 +252,35 @@ class PartReducer:
             [groups[c.peer_id] for c in weighted], [c.norm for c in weighted], [0.0] * len(terms)
         )
         return terms, tuple(sorted(clipped)), ""
+
+    def _clip_scales(self, weighted: list[Contribution]) -> tuple[dict[str, float], list[str], str]:
+        """Each copy's factor (1, or its clip to ``clip_multiple`` × the reference norm), the clipped members,
+        and, in a later phase with a copy beyond the bound, why the part fails instead."""
+        scales = {c.peer_id: 1.0 for c in weighted}
+        clipped: list[str] = []
+        if self.clip_multiple <= 0 or len(weighted) < 2:
+            return scales, clipped, ""
+        reference = self._median_norm(weighted) if self.shared is not None else self._reference_norm(weighted)
+        bound = self.clip_multiple * reference
+        beyond = [c for c in weighted if c.norm > bound]
+        if beyond and self.shared is not None:
+            # A later phase never clips: its columns cut the vector into other parts, so this part's clip
+            # would be another column's no clip (or another factor) and the columns' means would differ. The
+            # part fails instead; the tracker's verdicts then have every column zero its slices, and every
+            # member applies one mean.
+            names = ", ".join(c.peer_id for c in beyond)
+            return (
+                scales,
+                clipped,
+                (
+                    f"in a later phase a copy beyond {self.clip_multiple:g} × the median norm fails the part "
+                    f"(clipping it here would make another mean than the other columns'): {names}"
+                ),
+            )
+        for c in beyond:
+            scales[c.peer_id] = bound / c.norm if c.norm > 0 else 0.0
+            clipped.append(c.peer_id)
+        return scales, clipped, ""
 
     @staticmethod
     def _median_norm(weighted: list[Contribution]) -> float:
