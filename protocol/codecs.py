@@ -264,15 +264,20 @@ def _int8_encode_sent(x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return bytes(out), q.reshape(-1)[:n]
 
 
-def _within_half_step(residual: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """``residual`` clipped to half an int8 step of ``x``'s block, value by value (a new array)."""
+def int8_steps(x: np.ndarray) -> np.ndarray:
+    """Each value's int8 step: its block's absmax ÷ 127 (blocks of INT8_BLOCK values from ``x``'s start)."""
     n = x.size
     blocks = -(-n // INT8_BLOCK)
     padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
     padded[:n] = x
     view = padded.reshape(blocks, INT8_BLOCK)
-    half = np.abs(np.maximum(view.max(axis=1), -view.min(axis=1))) / np.float32(254.0)
-    bound = np.repeat(half, INT8_BLOCK)[:n]
+    absmax = np.abs(np.maximum(view.max(axis=1), -view.min(axis=1)))
+    return np.repeat(absmax / np.float32(127.0), INT8_BLOCK)[:n]
+
+
+def _within_half_step(residual: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``residual`` clipped to half an int8 step of ``x``'s block, value by value (a new array)."""
+    bound = int8_steps(x) / np.float32(2.0)
     return np.clip(residual, -bound, bound)
 
 

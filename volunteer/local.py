@@ -20,11 +20,11 @@ unchanged. Its snapshots hold the anchor and the outer optimizer's state (the li
 global steps; the inner state is each peer's own).
 
 With ``delay = 1`` a round's ``Δ`` is applied when the next round closes, so the next round cannot start from
-its outer step. It starts from the anchor *minus this peer's own* ``Δ`` (its progress, in flight in the
-average), and its pseudo-gradient is measured from there: ``Δ = (anchor − own) − parameters``; when the
-average arrives, the outer step moves the anchor and the live parameters become ``anchor − own`` again, the
-peer's newest ``Δ`` carried on top of the run's state. Every round's gradients are thus computed about where
-they are applied (one outer step ahead, by this peer's share of it), not one whole round behind: started
+its outer step. It starts where that outer step would land if this peer's own ``Δ`` (its progress, in flight
+in the average) were the mean: the anchor moved by the run's momentum and ``own`` (:meth:`_start_into`), and
+its pseudo-gradient is measured from there: ``Δ = start − parameters``; when the average arrives, the outer
+step moves the anchor and the next start is found the same way from it, the peer's newest ``Δ`` as ``own``.
+Every round's gradients are thus computed about where they are applied, not one whole round behind: started
 from the stale anchor instead, two rounds in a row push from the same point and the outer step applies both,
 which with the outer momentum 0.95 diverged (docs/benchmarks.md). The run's state (the anchor, the outer
 optimizer) stays the same bytes on every peer; only the live parameters are each peer's own, as the inner
@@ -117,7 +117,7 @@ class LocalTrainer(Trainer):
         self._anchor_views = self._param_views(self._anchor)
         self.anchor_step = step
         self._round_samples = 0
-        # delay 1: this peer's last Δ, in flight in the average; its rounds start from anchor − own
+        # delay 1: this peer's last Δ, in flight in the average; its rounds start as _start_into says
         self._own = (
             torch.zeros(self.param_numel, dtype=torch.float32, device=self.device) if avg.delay else None
         )
@@ -162,7 +162,7 @@ class LocalTrainer(Trainer):
     def take_grad(self, into: np.ndarray | None = None) -> np.ndarray:
         """Take the inner step of what is left, hand out the pseudo-gradient ``start − parameters`` (then the
         buffers' values) and go back to the round's start for the next: the anchor, the round's progress
-        travelling in the average only; with delay 1, ``anchor − own`` with this round's ``Δ`` as ``own``."""
+        travelling in the average only; with delay 1, :meth:`_start_into`'s with this round's ``Δ`` as ``own``."""
         self._inner_step()
         with torch.no_grad():
             self._bind_grads()
@@ -191,7 +191,10 @@ class LocalTrainer(Trainer):
         self.optimizer.step()
         self._clear()
         self._set_anchor(step + 1)
-        self._restore(keep_own=True)  # (delay 1: this peer's round in flight carried on the new anchor)
+        if (
+            self._own is not None
+        ):  # (delay 1: the next round starts from the new anchor and own; delay 0: here)
+            self._restore(keep_own=True)
         return self.outer_lr
 
     # ------------------------------------------------------------------ the anchor

@@ -40,7 +40,7 @@ import torch
 
 from crowdtrain.datasets.sampler import Sampler
 from crowdtrain.protocol.aio import BodyTooLong, read_body, wait_at_most
-from crowdtrain.protocol.codecs import INT8_BLOCK
+from crowdtrain.protocol.codecs import int8_steps
 from crowdtrain.protocol.errors import CrowdtrainError, ProtocolError
 from crowdtrain.protocol.limits import Limits
 from crowdtrain.protocol.messages import (
@@ -257,11 +257,7 @@ def squares(sent: np.ndarray, mine: np.ndarray, codec: str) -> np.ndarray:
     if codec != "int8":
         out[2] = out[1]
         return out
-    n = sent.size
-    blocks = -(-n // INT8_BLOCK)
-    padded = np.zeros(blocks * INT8_BLOCK, dtype=np.float32)
-    padded[:n] = np.abs(sent)
-    step = np.repeat(padded.reshape(blocks, INT8_BLOCK).max(axis=1) / np.float32(127.0), INT8_BLOCK)[:n]
+    step = int8_steps(sent)
     beyond = np.maximum(diff - step, 0.0)
     out[2] = np.dot(beyond, beyond)
     return out
